@@ -1,0 +1,121 @@
+"""Loss scaling that keeps the user's loop unchanged: ``loss.backward(); optim.step()``.
+
+With fp16, gradients are scaled by a ``GradScaler`` through the loss function, and the optimizer
+wrapper unscales, skips steps whose gradients hold inf/nan, and updates the scale. The loss value
+the user sees stays the true (unscaled) loss.
+"""
+
+from typing import Any
+
+import torch
+
+from atorch.utils.log import logger
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity in forward; multiplies the incoming gradient by ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx, loss, scale):
+        ctx.save_for_backward(scale)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (scale,) = ctx.saved_tensors
+        return grad * scale.to(grad.dtype), None
+
+
+def _grad_scaled(loss: torch.Tensor, scaler: torch.amp.GradScaler) -> torch.Tensor:
+    # The value stays the true loss (printing and logging show it exactly), while the gradient
+    # that flows back through it is multiplied by the scaler's current scale.
+    scale = scaler.scale(torch.ones((), device=loss.device, dtype=torch.float32))
+    return _ScaleGrad.apply(loss, scale)
+
+
+class ScaledLossFunc:
+    """Wraps ``loss_func(input, output)`` so ``backward`` on its result produces scaled gradients."""
+
+    def __init__(self, loss_func, scaler: torch.amp.GradScaler):
+        self.loss_func, self.scaler = loss_func, scaler
+
+    def __call__(self, *args, **kwargs) -> Any:
+        out = self.loss_func(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            return _grad_scaled(out, self.scaler)
+        if isinstance(out, (list, tuple)) and out and isinstance(out[0], torch.Tensor):
+            return type(out)([_grad_scaled(out[0], self.scaler), *out[1:]])
+        raise TypeError(
+            f"loss_func returned {type(out).__name__}; it must return a loss tensor or a sequence whose "
+            "first item is the loss"
+        )
+
+
+class AmpOptimizer:
+    """An optimizer that steps through a GradScaler (fp16) or skips non-finite steps (bf16).
+
+    Everything else (``param_groups``, ``zero_grad``, ``state``, ...) is the wrapped optimizer's.
+    To clip gradients with fp16, call :meth:`unscale_` first, as with a plain GradScaler.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, skip_if_nonfinite: bool):
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.skip_if_nonfinite = skip_if_nonfinite
+        self.skipped_steps = 0
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("AmpOptimizer.step does not take a closure; compute the loss before calling step()")
+        if self.scaler is not None:
+            scale_before = self.scaler.get_scale()
+            result = self.scaler.step(self.optimizer)
+            self.scaler.update()
+            if self.scaler.get_scale() < scale_before:
+                self.skipped_steps += 1
+                logger.debug("fp16 step skipped: inf/nan in gradients, loss scale now %s", self.scaler.get_scale())
+            return result
+        if self.skip_if_nonfinite and not self._grads_finite():
+            self.skipped_steps += 1
+            logger.warning("optimizer step skipped: gradients hold inf or nan")
+            return None
+        return self.optimizer.step()
+
+    def _grads_finite(self) -> bool:
+        grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            return True
+        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+
+    def unscale_(self) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def state_dict(self) -> dict:
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.scaler is not None:
+            state["grad_scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and "grad_scaler" in state:
+            self.scaler.load_state_dict(state["grad_scaler"])
+
+    def __getattr__(self, name: str):
+        # Only reached for attributes not defined here: defer to the wrapped optimizer.
+        return getattr(self.__dict__["optimizer"], name)
+
+    def __repr__(self) -> str:
+        return f"AmpOptimizer({self.optimizer!r}, fp16_scaler={self.scaler is not None})"

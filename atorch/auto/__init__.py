@@ -1,0 +1,21 @@
+"""The auto_accelerate front door, strategies and the method registry."""
+
+from atorch.auto.accelerate import AutoAccelerateResult, apply_strategy, auto_accelerate
+from atorch.auto.context import ModelContext, move_to_device, run_model
+from atorch.auto.registry import MethodSpec, Stage, get_method, method_names, register_method
+from atorch.auto.strategy import Strategy
+
+__all__ = [
+    "AutoAccelerateResult",
+    "MethodSpec",
+    "ModelContext",
+    "Stage",
+    "Strategy",
+    "apply_strategy",
+    "auto_accelerate",
+    "get_method",
+    "method_names",
+    "move_to_device",
+    "register_method",
+    "run_model",
+]

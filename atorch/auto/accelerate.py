@@ -1,0 +1,158 @@
+"""auto_accelerate: the front door."""
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from atorch.auto.context import ModelContext, move_to_device
+from atorch.auto.environment import DeviceContext
+from atorch.auto.plan import plan_strategy
+from atorch.auto.registry import Stage, get_method
+from atorch.auto.strategy import Strategy, parse_strategy
+from atorch.distributed import env
+from atorch.errors import NotSupportedError
+from atorch.utils.log import logger
+
+AutoAccelerateResult = collections.namedtuple(
+    "AutoAccelerateResult", ["model", "optim", "dataloader", "loss_func", "prepare_input", "lr_scheduler", "args"]
+)
+
+_KNOWN_KWARGS = {"verbose", "find_unused_parameters", "sampler_seed", "ignore_dryrun_on_load_strategy"}
+
+
+def auto_accelerate(
+    model: torch.nn.Module,
+    optim_func: Callable | None = None,
+    dataset: Any = None,
+    loss_func: Callable | None = None,
+    prepare_input: Callable | None = None,
+    model_input_format: str | None = None,
+    optim_args: dict | None = None,
+    optim_param_func: Callable | None = None,
+    dataloader_args: dict | None = None,
+    distributed_sampler_cls: type | None = None,
+    excluded: list[str] | None = None,
+    included: list[str] | None = None,
+    load_strategy: Any = None,
+    lr_scheduler_cls: type | None = None,
+    lr_scheduler_args: dict | None = None,
+    finetune_strategy: bool = False,
+    save_strategy_to_file: str | None = None,
+    **kwargs: Any,
+) -> tuple[bool, AutoAccelerateResult | None, Strategy | None]:
+    """Apply a strategy to a plain training job and return what the training loop needs.
+
+    Returns ``(status, result, best_strategy)``. ``result`` is an :data:`AutoAccelerateResult`
+    namedtuple ``(model, optim, dataloader, loss_func, prepare_input, lr_scheduler, args)``;
+    ``best_strategy`` is the strategy as applied here (drops and rescaling included).
+
+    - ``optim_func(params, **optim_args)``: an optimizer class or function; ``optim_param_func(model)``
+      returns parameter groups instead of ``model.parameters()``.
+    - ``dataloader_args["batch_size"]`` is the global batch: each data-parallel rank gets its
+      share; ``shuffle`` and ``drop_last`` go to the distributed sampler (``distributed_sampler_cls``).
+    - ``loss_func(input, output)`` returns the loss or a sequence whose first item is the loss.
+    - ``prepare_input(data, device)`` defaults to moving tensors to this rank's device.
+    - ``load_strategy``: a :class:`Strategy`, a list of names and ``(name, config)`` pairs, JSON
+      text (str or bytes), or the path of a JSON/YAML strategy file.
+    - kwargs: ``verbose`` (print the strategy on rank 0), ``find_unused_parameters`` (DDP),
+      ``sampler_seed`` (shuffling seed, default 0), ``ignore_dryrun_on_load_strategy``.
+
+    Example::
+
+        status, result, strategy = atorch.auto_accelerate(
+            model, torch.optim.AdamW, dataset, loss_func=lambda batch, out: out.loss,
+            optim_args={"lr": 1e-3}, dataloader_args={"batch_size": 8, "shuffle": True},
+            model_input_format="unpack_dict",
+            load_strategy=["parallel_mode", ("amp_native", {"dtype": "bf16"})],
+        )
+        model, optim = result.model, result.optim
+        for batch in result.dataloader:
+            batch = result.prepare_input(batch, atorch.device())
+            loss = result.loss_func(batch, model(**batch))
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+    """
+    unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
+    if unknown:
+        raise TypeError(f"auto_accelerate got unknown keyword arguments {unknown}; known: {sorted(_KNOWN_KWARGS)}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if load_strategy is None:
+        raise NotSupportedError(
+            "auto_accelerate needs load_strategy for now: the fully automatic search is not available yet. "
+            "Pass a strategy, e.g. load_strategy=['parallel_mode', 'amp_native']."
+        )
+    if finetune_strategy:
+        raise NotSupportedError(
+            "finetune_strategy=True needs the strategy search, which is not available yet; pass False to "
+            "apply load_strategy as given"
+        )
+    if not kwargs.get("ignore_dryrun_on_load_strategy", True):
+        raise NotSupportedError(
+            "ignore_dryrun_on_load_strategy=False asks for a dry run, which needs the strategy search (not "
+            "available yet); leave it at True"
+        )
+    verbose = bool(kwargs.get("verbose", False))
+
+    device_ctx = DeviceContext.detect()
+    requested = parse_strategy(load_strategy)
+    strategy, notes = plan_strategy(requested, device_ctx, excluded, included)
+    for note in notes:
+        logger.info(note)
+    for name, config in strategy.items():
+        resolve = get_method(name).resolve
+        if resolve is not None:
+            strategy = strategy.replace(name, resolve(model, config))
+
+    ctx = ModelContext(
+        model=model,
+        device_ctx=device_ctx,
+        optim_func=optim_func,
+        optim_args=dict(optim_args or {}),
+        optim_param_func=optim_param_func,
+        dataset=dataset,
+        loss_func=loss_func,
+        prepare_input=prepare_input or move_to_device,
+        model_input_format=model_input_format,
+        dataloader_args=dict(dataloader_args or {}),
+        distributed_sampler_cls=distributed_sampler_cls,
+        sampler_seed=int(kwargs.get("sampler_seed", 0)),
+        lr_scheduler_cls=lr_scheduler_cls,
+        lr_scheduler_args=dict(lr_scheduler_args or {}),
+        find_unused_parameters=bool(kwargs.get("find_unused_parameters", False)),
+    )
+    apply_strategy(ctx, strategy)
+
+    if verbose:
+        logger.info("applied %s", strategy)
+    if save_strategy_to_file is not None and env.rank() == 0:
+        strategy.save(save_strategy_to_file)
+    result = AutoAccelerateResult(
+        ctx.model, ctx.optim, ctx.dataloader, ctx.loss_func, ctx.prepare_input, ctx.lr_scheduler, ctx.args
+    )
+    return True, result, strategy
+
+
+def apply_strategy(ctx: ModelContext, strategy: Strategy) -> None:
+    """Run every method's stage hooks in stage order (the strategy's order within a stage)."""
+    hooks = sorted(
+        ((stage, index, name, hook, config)
+         for index, (name, config) in enumerate(strategy.items())
+         for stage, hook in get_method(name).hooks.items()),
+        key=lambda item: (item[0], item[1]),
+    )
+    if not any(p.is_meta for p in ctx.model.parameters()):
+        ctx.model.to(ctx.device)
+    for stage in Stage:
+        if stage == Stage.OPTIMIZER:
+            ctx.build_optimizer()
+        if stage == Stage.DATA and ctx.dataset is not None:
+            ctx.build_dataloader()
+        for hook_stage, _, name, hook, config in hooks:
+            if hook_stage == stage:
+                hook(ctx, config)
+        if stage == Stage.OPTIMIZER:
+            ctx.build_lr_scheduler()

@@ -1,0 +1,91 @@
+"""Fit a requested strategy to this job before anything is applied.
+
+Every adjustment (a method dropped, a dim rescaled, a default added) is returned as a note with
+its reason, logged by the caller, and visible in the strategy that comes back. Contradictions
+raise a user error here, so a strategy is never half-applied.
+"""
+
+from collections.abc import Iterable
+
+from atorch.auto.environment import DeviceContext
+from atorch.auto.registry import get_method
+from atorch.auto.strategy import Strategy
+from atorch.distributed.topology import DATA_PARALLEL_DIMS, resolve_dims
+from atorch.errors import StrategyConflictError
+
+
+def plan_strategy(
+    strategy: Strategy,
+    device_ctx: DeviceContext,
+    excluded: Iterable[str] | None = None,
+    included: Iterable[str] | None = None,
+) -> tuple[Strategy, list[str]]:
+    """Return the strategy that will run here and the notes that explain each change."""
+    excluded = list(excluded or [])
+    included = list(included or [])
+    for name in excluded + included:
+        get_method(name)  # unknown names are errors, listing the valid ones
+    both = sorted(set(excluded) & set(included))
+    if both:
+        raise StrategyConflictError(f"methods {both} are both excluded and included; pick one")
+    notes: list[str] = []
+
+    for name in included:
+        if name not in strategy:
+            strategy = strategy.with_method(name)
+            notes.append(f"{name}: added with its default config because it is in `included`")
+    for name in excluded:
+        if name in strategy:
+            strategy = strategy.without(name)
+            notes.append(f"{name}: dropped because it is in `excluded`")
+
+    for name, config in strategy.items():
+        spec = get_method(name)
+        reason = None
+        if spec.distributed_only and not device_ctx.distributed:
+            reason = "it needs more than one process and this job has one"
+        elif spec.unsupported is not None:
+            reason = spec.unsupported(device_ctx, config)
+        if reason is None:
+            present = [other for other in spec.overridden_by if other in strategy]
+            if present:
+                reason = f"{present[0]} is in the strategy and takes its place"
+        if reason is not None:
+            strategy = strategy.without(name)
+            notes.append(f"{name}: dropped because {reason}")
+
+    if device_ctx.distributed and "parallel_mode" not in strategy:
+        strategy = strategy.with_method("parallel_mode", first=True)
+        notes.append(f"parallel_mode: added (data parallel over {device_ctx.world_size} processes) because none was given")
+
+    if "parallel_mode" in strategy:
+        config = strategy.get("parallel_mode")
+        requested = config.dims or [("data", device_ctx.world_size)]
+        dims, dim_notes = resolve_dims(requested, device_ctx.world_size, config.rank_order)
+        notes += [f"parallel_mode: {note}" for note in dim_notes]
+        if dims != config.dims:
+            strategy = strategy.replace("parallel_mode", {"dims": dims, "rank_order": config.rank_order})
+        _check_dims_used(strategy, dims)
+
+    for name, _ in strategy.items():
+        spec = get_method(name)
+        clash = [other for other in spec.conflicts if other in strategy]
+        if clash:
+            raise StrategyConflictError(f"methods {name!r} and {clash[0]!r} cannot be used together; remove one")
+        missing = [other for other in spec.requires if other not in strategy]
+        if missing:
+            raise StrategyConflictError(f"method {name!r} needs {missing} in the same strategy; add it")
+    return strategy, notes
+
+
+def _check_dims_used(strategy: Strategy, dims: list[tuple[str, int]]) -> None:
+    used = set(DATA_PARALLEL_DIMS)
+    for name, _ in strategy.items():
+        used.update(get_method(name).uses_dims)
+    idle = [(name, size) for name, size in dims if size > 1 and name not in used]
+    if idle:
+        name, size = idle[0]
+        raise StrategyConflictError(
+            f"parallel_mode has a {name!r} dim of size {size} but no method in the strategy uses it, so "
+            f"{size} ranks would repeat the same work; add a method that uses it or drop the dim"
+        )

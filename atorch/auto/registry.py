@@ -1,0 +1,111 @@
+"""The one registry of optimization methods, read by the appliers and the search alike.
+
+A method is one file in ``atorch/methods``: its pydantic ``Config``, a :class:`MethodSpec` with
+its metadata, and one function per :class:`Stage` it acts in. Order and compatibility are data
+in the spec; the engine sorts and checks them once.
+"""
+
+import difflib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+from atorch.auto.config_types import MethodConfig
+from atorch.errors import UnknownMethodError
+
+
+class Stage(IntEnum):
+    """When a method acts; the engine runs stages in this order."""
+
+    # Build the process mesh first: every later stage reads its groups from it.
+    TOPOLOGY = 0
+    # Swap, convert or split modules while the model is still plain, with no wrapper to see through.
+    REWRITE = 10
+    # Activation checkpointing wraps the blocks as they will finally run.
+    MEMORY = 20
+    # Compile before the sharding/replication wrappers, which add hooks of their own (torchtitan's order).
+    COMPILE = 30
+    # Shard (FSDP, ZeRO) or replicate (DDP) last among model changes; only one of them wraps.
+    WRAP = 40
+    # The engine builds the optimizer at the start of this stage; methods then wrap it.
+    OPTIMIZER = 50
+    # The engine builds the dataloader at the start of this stage.
+    DATA = 60
+    # Loss scaling and other hooks of the running loop.
+    RUNTIME = 70
+
+
+Hook = Callable[[Any, MethodConfig], None]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method's row in the registry.
+
+    ``unsupported(device_ctx, config)`` returns why this device cannot run the method (or
+    ``None``); ``resolve(model, config)`` runs before anything is applied: it raises a user error
+    for a config that cannot work on this model, and returns the config with the choices it
+    made from the model filled in (so the returned strategy says exactly what ran).
+    """
+
+    name: str
+    config_cls: type[MethodConfig]
+    hooks: Mapping[Stage, Hook]
+    description: str
+    distributed_only: bool = False
+    # Drop this method when any of these is in the strategy (e.g. ``half`` over ``amp_native``).
+    overridden_by: tuple[str, ...] = ()
+    conflicts: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()
+    # Parallel dims this method puts to work (the data dims are always used by the dataloader).
+    uses_dims: tuple[str, ...] = ()
+    unsupported: Callable[[Any, MethodConfig], str | None] | None = None
+    resolve: Callable[[Any, MethodConfig], MethodConfig] | None = None
+    # Candidate configs for the search engine; empty means "try the default config".
+    search_space: tuple[dict, ...] = field(default_factory=tuple)
+
+
+_REGISTRY: dict[str, MethodSpec] = {}
+
+
+def register_method(spec: MethodSpec) -> MethodSpec:
+    """Add a method; a name that is already taken is an error, not an override."""
+    if spec.name in _REGISTRY:
+        raise ValueError(f"a method named {spec.name!r} is already registered; pick another name")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def unregister_method(name: str) -> None:
+    """Remove a method (for tests and plugins that replace one of their own)."""
+    _REGISTRY.pop(name, None)
+
+
+def get_method(name: str) -> MethodSpec:
+    """The spec of ``name``; an unknown name raises an error that lists the registered ones."""
+    _ensure_builtin_methods()
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        close = difflib.get_close_matches(str(name), list(_REGISTRY), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise UnknownMethodError(
+            f"unknown method {name!r}.{hint} Registered methods: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+
+
+def method_names() -> list[str]:
+    _ensure_builtin_methods()
+    return list(_REGISTRY)
+
+
+def all_methods() -> list[MethodSpec]:
+    _ensure_builtin_methods()
+    return list(_REGISTRY.values())
+
+
+def _ensure_builtin_methods() -> None:
+    # The method files register themselves on import; importing here keeps ``atorch.auto``
+    # usable on its own without a circular import at package load time.
+    import atorch.methods  # noqa: F401

@@ -1,0 +1,5 @@
+"""Dataloaders that split a global batch over data-parallel ranks."""
+
+from atorch.data.loader import GlobalBatchDataLoader, build_dataloader
+
+__all__ = ["GlobalBatchDataLoader", "build_dataloader"]

@@ -1,0 +1,74 @@
+"""Process-group start-up from the torchrun environment, and this process's place in it."""
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from atorch.utils.log import logger
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> bool:
+    """Join the process group that torchrun describes in the environment.
+
+    ``backend`` defaults to ``"nccl"`` when CUDA is available and ``"gloo"`` otherwise. A plain
+    ``python train.py`` (no torchrun variables) is a valid single process: nothing is started and
+    ``False`` is returned. Calling it again once initialized does nothing and returns ``True``.
+
+    Example::
+
+        # torchrun --nproc_per_node=2 train.py
+        import atorch
+        atorch.init_distributed()
+        print(atorch.rank(), atorch.world_size(), atorch.device())
+    """
+    if dist.is_initialized():
+        return True
+    present = [name for name in _TORCHRUN_VARS if name in os.environ]
+    if not present:
+        return False
+    missing = [name for name in _TORCHRUN_VARS if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_distributed found {present} but not {missing} in the environment; launch with "
+            "torchrun (it sets all of them) or unset them to run a single process."
+        )
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank())
+    kwargs = {}
+    if timeout_s is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, **kwargs)
+    logger.info("process group started: backend=%s world_size=%d", backend, dist.get_world_size())
+    return True
+
+
+def rank() -> int:
+    """This process's global rank (0 for a single process)."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    """The number of processes in the job (1 for a single process)."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_rank() -> int:
+    """This process's rank on its node, from torchrun's ``LOCAL_RANK`` (0 otherwise)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def device() -> torch.device:
+    """The device this rank computes on: ``cuda:<local_rank>`` when CUDA exists, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank() % torch.cuda.device_count())
+    return torch.device("cpu")

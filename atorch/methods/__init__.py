@@ -1,0 +1,7 @@
+"""Optimization methods: one file each, registered on import.
+
+To add one, write ``atorch/methods/<name>.py`` with a pydantic ``Config``, hook functions and a
+``register_method(MethodSpec(...))`` call, then import it here.
+"""
+
+from atorch.methods import amp_native, checkpoint, half, native_dynamo, parallel_mode  # noqa: F401

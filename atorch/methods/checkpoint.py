@@ -1,0 +1,86 @@
+"""checkpoint: activation checkpointing of chosen module classes.
+
+Config forms: ``"checkpoint"`` (the model's repeated blocks, found by structure),
+``("checkpoint", (LlamaDecoderLayer,))``, ``("checkpoint", ["LlamaDecoderLayer"])``,
+``{"wrap_class": [...], "no_reentrant": False}`` for the reentrant implementation.
+
+Each matching module's forward is replaced on the instance, so parameter names and
+``state_dict`` keys do not change. The reentrant implementation only sees positional tensor
+inputs; keyword arguments are passed through but receive no gradient.
+"""
+
+import functools
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from pydantic import Field, model_validator
+
+from atorch.auto.config_types import ClassRef, MethodConfig, as_list, class_name
+from atorch.auto.context import ModelContext
+from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.errors import MethodConfigError
+from atorch.utils.log import logger
+from atorch.utils.modules import class_names_in, find_block_classes, modules_of_classes
+
+
+class CheckpointConfig(MethodConfig):
+    wrap_class: list[ClassRef] = Field(
+        default_factory=list, description="classes (or class names) to checkpoint; empty: the repeated blocks"
+    )
+    no_reentrant: bool = Field(default=True, description="True: non-reentrant checkpoint (recommended)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_atorch_form(cls, raw: Any) -> Any:
+        if isinstance(raw, dict):
+            if "wrap_class" in raw:
+                return {**raw, "wrap_class": [class_name(c) for c in as_list(raw["wrap_class"])]}
+            return raw
+        return {"wrap_class": [class_name(c) for c in as_list(raw)]}
+
+
+class CheckpointedForward:
+    def __init__(self, forward, use_reentrant: bool):
+        self.forward, self.use_reentrant = forward, use_reentrant
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return self.forward(*args, **kwargs)  # nothing to save memory on in eval
+        if self.use_reentrant:
+            fn = functools.partial(self.forward, **kwargs) if kwargs else self.forward
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True)
+        return torch.utils.checkpoint.checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+
+
+def resolve(model: torch.nn.Module, config: CheckpointConfig) -> CheckpointConfig:
+    targets = list(config.wrap_class) or [class_name(c) for c in find_block_classes(model)]
+    if not targets:
+        raise MethodConfigError(
+            "checkpoint: the model has no repeated blocks (ModuleList of one class) to checkpoint; name the "
+            f"classes with ('checkpoint', {{'wrap_class': [...]}}). Classes in the model: {class_names_in(model)}"
+        )
+    if not modules_of_classes(model, targets):
+        raise MethodConfigError(
+            f"checkpoint: no module of class {targets} in the model; classes in the model: {class_names_in(model)}"
+        )
+    return config.model_copy(update={"wrap_class": targets})
+
+
+def apply_checkpoint(ctx: ModelContext, config: CheckpointConfig) -> None:
+    targets = config.wrap_class  # filled by resolve()
+    matched = modules_of_classes(ctx.model, targets)
+    for _, module in matched:
+        module.forward = CheckpointedForward(module.forward, use_reentrant=not config.no_reentrant)
+    logger.info("checkpoint: %d modules of %s checkpointed", len(matched), targets)
+
+
+register_method(
+    MethodSpec(
+        name="checkpoint",
+        config_cls=CheckpointConfig,
+        hooks={Stage.MEMORY: apply_checkpoint},
+        description="activation checkpointing: recompute chosen blocks in backward to save memory",
+        resolve=resolve,
+    )
+)

@@ -1,0 +1,66 @@
+"""parallel_mode: the process mesh, and plain data parallelism (DDP) over its data dims.
+
+Config forms: ``"parallel_mode"`` (data parallel over every process),
+``("parallel_mode", ([("tensor", 2), ("data", 2)], None))`` (dims innermost first, then an
+optional rank order), or ``{"dims": [["data", 4]], "rank_order": null}``.
+
+DDP wraps the model only when no sharding method (fsdp, zero2, ...) has wrapped it already.
+"""
+
+from typing import Any
+
+from pydantic import Field, model_validator
+from torch.nn.parallel import DistributedDataParallel
+
+from atorch.auto.config_types import MethodConfig
+from atorch.auto.context import ModelContext
+from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.distributed.topology import Topology
+
+
+class ParallelModeConfig(MethodConfig):
+    dims: list[tuple[str, int]] | None = Field(
+        default=None, description="(name, size) pairs, innermost first; None: data parallel over all ranks"
+    )
+    rank_order: list[int] | None = Field(
+        default=None, description="a permutation of the world's ranks laid onto the mesh; None: 0..N-1"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_atorch_form(cls, raw: Any) -> Any:
+        if isinstance(raw, (tuple, list)) and len(raw) == 2 and (raw[0] is None or isinstance(raw[0], (list, tuple))):
+            if raw[0] is None or all(isinstance(d, (list, tuple)) for d in raw[0]):
+                return {"dims": None if raw[0] is None else [tuple(d) for d in raw[0]], "rank_order": raw[1]}
+        if isinstance(raw, (tuple, list)) and all(isinstance(d, (list, tuple)) and len(d) == 2 for d in raw):
+            return {"dims": [tuple(d) for d in raw]}
+        return raw
+
+
+def build_topology(ctx: ModelContext, config: ParallelModeConfig) -> None:
+    # plan_strategy has already fitted the dims to the world size.
+    ctx.topology = Topology.build(config.dims, config.rank_order, ctx.device.type)
+
+
+def wrap_ddp(ctx: ModelContext, config: ParallelModeConfig) -> None:
+    if ctx.wrapped_by is not None or ctx.topology.data_parallel_size == 1:
+        return
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    ctx.model = DistributedDataParallel(
+        ctx.model,
+        device_ids=device_ids,
+        process_group=ctx.topology.data_parallel_group,
+        find_unused_parameters=ctx.find_unused_parameters,
+    )
+    ctx.wrapped_by = "parallel_mode"
+
+
+register_method(
+    MethodSpec(
+        name="parallel_mode",
+        config_cls=ParallelModeConfig,
+        hooks={Stage.TOPOLOGY: build_topology, Stage.WRAP: wrap_ddp},
+        description="named process mesh (data, zero, tensor, pipeline) and DDP over the data dims",
+        distributed_only=True,
+    )
+)

@@ -1,0 +1,110 @@
+"""Train a small Llama (built from a transformers config, nothing downloaded) with auto_accelerate.
+
+    torchrun --nproc_per_node=2 examples/train_llama.py --strategy strategies/ddp_bf16_checkpoint.json
+
+Any strategy file (or none: --strategy "" uses plain data parallel) works unchanged on 1 or N
+processes; atorch fits it to the world size and logs what it adjusted.
+"""
+
+import argparse
+import time
+
+import torch
+from torch.utils.data import Dataset
+
+import atorch
+
+
+def build_model(vocab_size: int, hidden: int, layers: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config)
+
+
+class CountingSequences(Dataset):
+    """Token sequences that count up by a per-sample step (mod vocab): easy to learn, generated locally."""
+
+    def __init__(self, n: int, seq_len: int, vocab_size: int, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        starts = torch.randint(0, vocab_size, (n, 1), generator=gen)
+        steps = torch.randint(1, 4, (n, 1), generator=gen)
+        self.tokens = (starts + steps * torch.arange(seq_len)) % vocab_size
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
+
+
+def loss_func(batch, output):
+    return output.loss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategy", default="strategies/ddp_bf16_checkpoint.json", help="strategy file; '' for DDP")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--save-strategy", default=None, help="write the applied strategy here (JSON)")
+    args = parser.parse_args()
+
+    atorch.init_distributed()
+    torch.manual_seed(0)
+    vocab = 128
+    model = build_model(vocab, args.hidden, args.layers)
+    dataset = CountingSequences(args.global_batch * args.steps, args.seq_len, vocab)
+
+    status, result, strategy = atorch.auto_accelerate(
+        model,
+        torch.optim.AdamW,
+        dataset,
+        loss_func,
+        optim_args={"lr": args.lr},
+        dataloader_args={"batch_size": args.global_batch, "shuffle": True},
+        model_input_format="unpack_dict",
+        load_strategy=args.strategy or ["parallel_mode"],
+        save_strategy_to_file=args.save_strategy,
+    )
+    if atorch.rank() == 0:
+        print(f"world size {atorch.world_size()}, applied {strategy}", flush=True)
+
+    model, optim = result.model, result.optim
+    start = time.perf_counter()
+    for step, batch in enumerate(result.dataloader):
+        if step == args.steps:
+            break
+        batch = result.prepare_input(batch, atorch.device())
+        loss = result.loss_func(batch, model(**batch))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        if step % 5 == 0 or step == args.steps - 1:
+            value = loss.detach().float()
+            if atorch.world_size() > 1:
+                torch.distributed.all_reduce(value)
+                value /= atorch.world_size()
+            if atorch.rank() == 0:
+                print(f"step {step:3d}  loss {value.item():.4f}", flush=True)
+    if atorch.rank() == 0:
+        print(f"done: {args.steps} steps in {time.perf_counter() - start:.1f}s", flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="atorch",
+    version="0.1.0",
+    description="Make PyTorch training fast on one or many devices: auto_accelerate with shareable strategies",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["atorch", "atorch.*"]),
+    install_requires=[
+        # fully_shard (FSDP2), DeviceMesh and torch.distributed.pipelining as public APIs.
+        "torch>=2.6",
+        "pydantic>=2.5",
+        "pyyaml>=6",
+        # torch.distributed.pipelining hangs a rank without numpy.
+        "numpy",
+    ],
+    extras_require={
+        "hf": ["transformers>=4.45"],
+        "deepspeed": ["deepspeed>=0.14"],
+        "fairscale": ["fairscale>=0.4.13"],
+        "transformer-engine": ["transformer-engine[pytorch]>=1.8"],
+        "peft": ["peft>=0.10"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45"],
+    },
+)

@@ -1,0 +1,106 @@
+"""Rules as data: what plan_strategy drops, adds, rescales and refuses."""
+
+import pytest
+import torch
+
+from atorch.auto import Strategy
+from atorch.auto.config_types import MethodConfig
+from atorch.auto.environment import DeviceContext
+from atorch.auto.plan import plan_strategy
+from atorch.auto.registry import MethodSpec, Stage, register_method, unregister_method
+from atorch.errors import StrategyConflictError, UnknownMethodError, WorldSizeError
+
+
+def device_ctx(world_size=1, device="cpu"):
+    return DeviceContext(world_size, world_size, torch.device(device), None, 2**30)
+
+
+def test_half_overrides_amp_native():
+    strategy, notes = plan_strategy(Strategy(["amp_native", "half"]), device_ctx())
+    assert strategy.opt_names == ["half"]
+    assert any("amp_native: dropped because half" in note for note in notes)
+
+
+def test_distributed_only_methods_dropped_on_one_process():
+    strategy, notes = plan_strategy(Strategy(["parallel_mode", "amp_native"]), device_ctx(1))
+    assert strategy.opt_names == ["amp_native"]
+    assert any("parallel_mode: dropped" in note and "one" in note for note in notes)
+
+
+def test_parallel_mode_added_when_distributed():
+    strategy, notes = plan_strategy(Strategy(["amp_native"]), device_ctx(4))
+    assert strategy.opt_names == ["parallel_mode", "amp_native"]
+    assert strategy.get("parallel_mode").dims == [("data", 4)]
+    assert any("parallel_mode: added" in note for note in notes)
+
+
+def test_data_dim_rescaled_to_world():
+    strategy, notes = plan_strategy(Strategy([("parallel_mode", ([("data", 8)], None))]), device_ctx(2))
+    assert strategy.get("parallel_mode").dims == [("data", 2)]
+    assert any("rescaled to 2" in note for note in notes)
+
+
+def test_zero_dim_kept_and_data_fills_the_rest():
+    strategy, _ = plan_strategy(Strategy([("parallel_mode", ([("zero", 2)], None))]), device_ctx(4))
+    assert strategy.get("parallel_mode").dims == [("zero", 2), ("data", 2)]
+
+
+def test_dims_that_cannot_fit_raise():
+    with pytest.raises(WorldSizeError, match="multiple of 3"):
+        plan_strategy(Strategy([("parallel_mode", ([("zero", 3), ("data", 1)], None))]), device_ctx(4))
+    with pytest.raises(WorldSizeError, match="unknown parallel dim 'dta'"):
+        plan_strategy(Strategy([("parallel_mode", ([("dta", 2)], None))]), device_ctx(2))
+    with pytest.raises(WorldSizeError, match="permutation"):
+        plan_strategy(Strategy([("parallel_mode", ([("data", 2)], [0, 0]))]), device_ctx(2))
+
+
+def test_dim_no_method_uses_is_refused():
+    with pytest.raises(StrategyConflictError, match="'tensor' dim of size 2"):
+        plan_strategy(Strategy([("parallel_mode", ([("tensor", 2), ("data", 1)], None))]), device_ctx(2))
+
+
+def test_excluded_and_included():
+    strategy, notes = plan_strategy(Strategy(["amp_native", "checkpoint"]), device_ctx(), excluded=["checkpoint"],
+                                    included=["native_dynamo"])
+    assert strategy.opt_names == ["amp_native", "native_dynamo"]
+    assert len(notes) == 2
+    with pytest.raises(UnknownMethodError):
+        plan_strategy(Strategy(), device_ctx(), excluded=["nope"])
+    with pytest.raises(StrategyConflictError, match="both excluded and included"):
+        plan_strategy(Strategy(), device_ctx(), excluded=["half"], included=["half"])
+
+
+class _Cfg(MethodConfig):
+    pass
+
+
+@pytest.fixture
+def fake_methods():
+    specs = [
+        MethodSpec("_needs_gpu", _Cfg, {}, "test", unsupported=lambda d, c: None if d.device_type == "cuda" else "it needs a GPU"),
+        MethodSpec("_clashes", _Cfg, {Stage.REWRITE: lambda ctx, c: None}, "test", conflicts=("half",)),
+        MethodSpec("_needs_half", _Cfg, {}, "test", requires=("half",)),
+    ]
+    for spec in specs:
+        register_method(spec)
+    yield
+    for spec in specs:
+        unregister_method(spec.name)
+
+
+def test_device_unsupported_dropped(fake_methods):
+    strategy, notes = plan_strategy(Strategy(["_needs_gpu"]), device_ctx())
+    assert strategy.opt_names == []
+    assert notes == ["_needs_gpu: dropped because it needs a GPU"]
+
+
+def test_conflicts_and_requirements(fake_methods):
+    with pytest.raises(StrategyConflictError, match="cannot be used together"):
+        plan_strategy(Strategy(["_clashes", "half"]), device_ctx())
+    with pytest.raises(StrategyConflictError, match="needs"):
+        plan_strategy(Strategy(["_needs_half"]), device_ctx())
+
+
+def test_duplicate_registration_is_an_error(fake_methods):
+    with pytest.raises(ValueError, match="already registered"):
+        register_method(MethodSpec("_clashes", _Cfg, {}, "again"))

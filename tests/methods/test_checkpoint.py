@@ -1,0 +1,57 @@
+import pytest
+import torch
+
+from atorch.auto import auto_accelerate
+from atorch.errors import MethodConfigError
+from tests.helpers.compare import FP32_RTOL, assert_losses_close, assert_ranks_agree
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import Block, TinyTransformer, TokenDataset, lm_loss, train_losses
+
+
+def _grads_and_calls(strategy):
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    calls = []
+    for block in model.blocks:
+        # A pre-hook: non-reentrant recomputation stops early, once the saved tensors exist again.
+        block.norm1.register_forward_pre_hook(lambda *a: calls.append(1))
+    keys = list(model.state_dict())
+    _, result, applied = auto_accelerate(model, load_strategy=strategy)
+    data = TokenDataset()
+    batch = {k: torch.stack([data[i][k] for i in range(4)]) for k in ("input_ids", "labels")}
+    lm_loss(batch, result.model(batch["input_ids"])).backward()
+    assert list(result.model.state_dict()) == keys
+    return {n: p.grad.clone() for n, p in result.model.named_parameters()}, len(calls), applied
+
+
+@pytest.mark.parametrize(
+    "config", [None, (Block,), ["Block"], {"wrap_class": "Block", "no_reentrant": False}], ids=["auto", "class", "name", "reentrant"]
+)
+def test_checkpoint_recomputes_blocks_with_identical_grads(config):
+    plain_grads, plain_calls, _ = _grads_and_calls([])
+    grads, calls, applied = _grads_and_calls([("checkpoint", config)])
+    assert plain_calls == 2 and calls == 4  # each block's forward runs again in backward
+    for name, grad in plain_grads.items():
+        assert torch.allclose(grad, grads[name], atol=1e-6), name
+    assert applied.get("checkpoint").wrap_class  # auto-detected classes are still listed in the config
+
+
+def test_unknown_class_fails_before_anything_is_applied():
+    model = TinyTransformer()
+    forward = model.forward
+    with pytest.raises(MethodConfigError, match="no module of class.*classes in the model"):
+        auto_accelerate(model, load_strategy=[("amp_native", "bf16"), ("checkpoint", ["NoSuchBlock"])])
+    assert model.forward == forward  # amp_native was not half-applied
+
+
+def test_model_without_blocks_needs_explicit_classes():
+    with pytest.raises(MethodConfigError, match="no repeated blocks"):
+        auto_accelerate(torch.nn.Linear(2, 2), load_strategy=["checkpoint"])
+
+
+def test_checkpoint_on_2_ranks_matches_single_process():
+    strategy = ["parallel_mode", "checkpoint"]
+    reference = train_losses(strategy)
+    results = run_distributed(train_losses, 2, strategy)
+    assert_ranks_agree(results)
+    assert_losses_close(results[0]["losses"], reference["losses"], FP32_RTOL)
