@@ -8,6 +8,8 @@ the user sees stays the true (unscaled) loss.
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from atorch.utils.log import logger
 
@@ -58,34 +60,58 @@ class AmpOptimizer:
     To clip gradients with fp16, call :meth:`unscale_` first, as with a plain GradScaler.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, skip_if_nonfinite: bool):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None,
+        skip_if_nonfinite: bool,
+        sync_group: dist.ProcessGroup | None = None,
+    ):
         self.optimizer = optimizer
         self.scaler = scaler
         self.skip_if_nonfinite = skip_if_nonfinite
+        # Ranks whose gradients may differ (shards): they must agree on skipping a step.
+        self.sync_group = sync_group
         self.skipped_steps = 0
 
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("AmpOptimizer.step does not take a closure; compute the loss before calling step()")
         if self.scaler is not None:
-            scale_before = self.scaler.get_scale()
-            result = self.scaler.step(self.optimizer)
-            self.scaler.update()
-            if self.scaler.get_scale() < scale_before:
-                self.skipped_steps += 1
-                logger.debug("fp16 step skipped: inf/nan in gradients, loss scale now %s", self.scaler.get_scale())
-            return result
+            return self._scaled_step()
         if self.skip_if_nonfinite and not self._grads_finite():
-            self.skipped_steps += 1
-            logger.warning("optimizer step skipped: gradients hold inf or nan")
-            return None
+            return self._skip()
         return self.optimizer.step()
 
+    def _scaled_step(self):
+        scale_before = self.scaler.get_scale()
+        if self.sync_group is not None:
+            self.scaler.unscale_(self.optimizer)
+            if not self._grads_finite():
+                # update(new_scale) lowers the scale and clears this step's record, like a skip.
+                self.scaler.update(scale_before * self.scaler.get_backoff_factor())
+                return self._skip()
+        result = self.scaler.step(self.optimizer)
+        self.scaler.update()
+        if self.scaler.get_scale() < scale_before:
+            return self._skip()
+        return result
+
+    def _skip(self) -> None:
+        self.skipped_steps += 1
+        logger.debug("optimizer step skipped: gradients hold inf or nan")
+        return None
+
     def _grads_finite(self) -> bool:
+        """True when every gradient on every rank of ``sync_group`` is finite."""
         grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not grads:
-            return True
-        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        finite = torch.stack([torch.isfinite(g).all() for g in local]).all() if local else torch.tensor(True)
+        if self.sync_group is not None:
+            flag = finite.to(torch.float32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.sync_group)
+            return bool(flag.item() == 1)
+        return bool(finite)
 
     def unscale_(self) -> None:
         if self.scaler is not None:

@@ -138,10 +138,13 @@ def auto_accelerate(
 
 def apply_strategy(ctx: ModelContext, strategy: Strategy) -> None:
     """Run every method's stage hooks in stage order (the strategy's order within a stage)."""
+    ctx.strategy = strategy
+    absorbed = {other for name in strategy.opt_names for other in get_method(name).absorbs if other in strategy}
     hooks = sorted(
         ((stage, index, name, hook, config)
          for index, (name, config) in enumerate(strategy.items())
-         for stage, hook in get_method(name).hooks.items()),
+         for stage, hook in get_method(name).hooks.items()
+         if not (name in absorbed and stage in get_method(name).skipped_when_absorbed)),
         key=lambda item: (item[0], item[1]),
     )
     if not any(p.is_meta for p in ctx.model.parameters()):

@@ -70,14 +70,16 @@ class ModelContext:
     find_unused_parameters: bool = False
     topology: Topology = field(default_factory=Topology.single)
     # Filled while applying.
+    strategy: Any = None
+    # A method that builds the optimizer itself (ZeRO) sets this before the OPTIMIZER stage:
+    # ``factory(ctx) -> optimizer``.
+    optim_factory: Callable | None = None
     optim: Any = None
     base_optim: torch.optim.Optimizer | None = None
     dataloader: Any = None
     lr_scheduler: Any = None
     # The name of the method that wrapped the model for data parallelism (ddp, fsdp, zero2...).
     wrapped_by: str | None = None
-    # fp16 loss scaler shared by amp_native's forward and optimizer stages.
-    amp_scaler: Any = None
     args: dict = field(
         default_factory=lambda: {"use_optim_backward": False, "requires_set_gradient_accumulation_boundary": False}
     )
@@ -90,10 +92,18 @@ class ModelContext:
         """Create the optimizer the user asked for, over the model as it is now (wrapped)."""
         if self.optim_func is None:
             return
-        # optim_param_func sees the user's module (parameter names without wrapper prefixes).
-        params = self.optim_param_func(unwrap(self.model)) if self.optim_param_func else self.model.parameters()
-        self.base_optim = self.optim_func(params, **self.optim_args)
+        self.base_optim = self.optim_factory(self) if self.optim_factory else self.optim_func(self.optim_params(), **self.optim_args)
         self.optim = self.base_optim
+
+    def optim_params(self) -> Any:
+        """Parameter groups from ``optim_param_func``, else the trainable parameters.
+
+        ``optim_param_func`` sees the user's module (parameter names without wrapper prefixes).
+        Frozen parameters (LoRA's base weights) get no optimizer state.
+        """
+        if self.optim_param_func is not None:
+            return self.optim_param_func(unwrap(self.model))
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def build_dataloader(self) -> None:
         from atorch.data.loader import build_dataloader

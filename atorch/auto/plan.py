@@ -67,6 +67,15 @@ def plan_strategy(
             strategy = strategy.replace("parallel_mode", {"dims": dims, "rank_order": config.rank_order})
         _check_dims_used(strategy, dims)
 
+    dp_size = 1
+    for name, size in (strategy.get("parallel_mode").dims if "parallel_mode" in strategy else []):
+        if name in DATA_PARALLEL_DIMS:
+            dp_size *= size
+    for name, _ in strategy.items():
+        if get_method(name).needs_data_parallel and dp_size == 1:
+            strategy = strategy.without(name)
+            notes.append(f"{name}: dropped because it shards over data-parallel ranks and there is only one")
+
     for name, _ in strategy.items():
         spec = get_method(name)
         clash = [other for other in spec.conflicts if other in strategy]

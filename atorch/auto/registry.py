@@ -26,8 +26,10 @@ class Stage(IntEnum):
     MEMORY = 20
     # Compile before the sharding/replication wrappers, which add hooks of their own (torchtitan's order).
     COMPILE = 30
-    # Shard (FSDP, ZeRO) or replicate (DDP) last among model changes; only one of them wraps.
+    # Shard (FSDP, ZeRO) last among model changes: sharding wraps what will finally run.
     WRAP = 40
+    # Replicate (DDP) whatever no sharding method has claimed in WRAP.
+    REPLICATE = 45
     # The engine builds the optimizer at the start of this stage; methods then wrap it.
     OPTIMIZER = 50
     # The engine builds the dataloader at the start of this stage.
@@ -60,6 +62,13 @@ class MethodSpec:
     requires: tuple[str, ...] = ()
     # Parallel dims this method puts to work (the data dims are always used by the dataloader).
     uses_dims: tuple[str, ...] = ()
+    # Dropped (with a note) unless the data-parallel size (data x zero dims) is larger than 1.
+    needs_data_parallel: bool = False
+    # Methods whose work this one takes over when both are present (fsdp applies amp_native's
+    # dtype as FSDP mixed precision); the absorbed method's ``skipped_when_absorbed`` stages do
+    # not run, and the absorbing method reads its config from ``ctx.strategy``.
+    absorbs: tuple[str, ...] = ()
+    skipped_when_absorbed: tuple[Stage, ...] = ()
     unsupported: Callable[[Any, MethodConfig], str | None] | None = None
     resolve: Callable[[Any, MethodConfig], MethodConfig] | None = None
     # Candidate configs for the search engine; empty means "try the default config".

@@ -4,4 +4,13 @@ To add one, write ``atorch/methods/<name>.py`` with a pydantic ``Config``, hook 
 ``register_method(MethodSpec(...))`` call, then import it here.
 """
 
-from atorch.methods import amp_native, checkpoint, half, native_dynamo, parallel_mode  # noqa: F401
+from atorch.methods import (  # noqa: F401
+    amp_native,
+    checkpoint,
+    fsdp,
+    half,
+    native_dynamo,
+    parallel_mode,
+    zero1,
+    zero2,
+)

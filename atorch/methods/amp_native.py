@@ -39,16 +39,17 @@ class AmpNativeConfig(MethodConfig):
 
 def wrap_forward(ctx: ModelContext, config: AmpNativeConfig) -> None:
     autocast_module(ctx.model, ctx.device.type, config.dtype)
-    if config.dtype == torch.float16:
-        ctx.amp_scaler = torch.amp.GradScaler(
-            ctx.device.type, init_scale=config.init_scale, growth_interval=config.growth_interval
-        )
 
 
 def wrap_optimizer(ctx: ModelContext, config: AmpNativeConfig) -> None:
-    scaler = ctx.amp_scaler
+    scaler = None
+    if config.dtype == torch.float16:
+        scaler = torch.amp.GradScaler(ctx.device.type, init_scale=config.init_scale, growth_interval=config.growth_interval)
+    # With several data-parallel ranks, sharded gradients can overflow on one rank only: all
+    # ranks agree on skipping through this group.
+    group = ctx.topology.data_parallel_group if ctx.topology.data_parallel_size > 1 else None
     if ctx.optim is not None:
-        ctx.optim = AmpOptimizer(ctx.optim, scaler, config.skip_if_nonfinite)
+        ctx.optim = AmpOptimizer(ctx.optim, scaler, config.skip_if_nonfinite, sync_group=group)
     if scaler is not None and ctx.loss_func is not None:
         ctx.loss_func = ScaledLossFunc(ctx.loss_func, scaler)
 
@@ -64,6 +65,8 @@ register_method(
         name="amp_native",
         config_cls=AmpNativeConfig,
         hooks={Stage.REWRITE: wrap_forward, Stage.OPTIMIZER: wrap_optimizer},
+        # Under fsdp/zero2 the sharding method computes in amp's dtype; loss scaling stays.
+        skipped_when_absorbed=(Stage.REWRITE,),
         description="torch.autocast mixed precision (fp16 with loss scaling, or bf16)",
         overridden_by=("half",),
         unsupported=_unsupported,

@@ -59,7 +59,7 @@ register_method(
     MethodSpec(
         name="parallel_mode",
         config_cls=ParallelModeConfig,
-        hooks={Stage.TOPOLOGY: build_topology, Stage.WRAP: wrap_ddp},
+        hooks={Stage.TOPOLOGY: build_topology, Stage.REPLICATE: wrap_ddp},
         description="named process mesh (data, zero, tensor, pipeline) and DDP over the data dims",
         distributed_only=True,
     )

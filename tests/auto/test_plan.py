@@ -104,3 +104,35 @@ def test_conflicts_and_requirements(fake_methods):
 def test_duplicate_registration_is_an_error(fake_methods):
     with pytest.raises(ValueError, match="already registered"):
         register_method(MethodSpec("_clashes", _Cfg, {}, "again"))
+
+
+def test_zero_methods_need_more_than_one_data_parallel_rank(fake_methods):
+    register_method(MethodSpec("_uses_tensor", _Cfg, {}, "test", uses_dims=("tensor",)))
+    try:
+        requested = Strategy([("parallel_mode", ([("tensor", 2), ("data", 1)], None)), "_uses_tensor", "zero1", "fsdp"])
+        with pytest.raises(StrategyConflictError, match="cannot be used together"):
+            plan_strategy(requested, device_ctx(2))
+        strategy, notes = plan_strategy(requested.without("fsdp"), device_ctx(2))
+        assert strategy.opt_names == ["parallel_mode", "_uses_tensor"]
+        assert any("zero1: dropped because it shards over data-parallel ranks" in n for n in notes)
+    finally:
+        unregister_method("_uses_tensor")
+
+
+def test_sharding_methods_conflict_with_each_other():
+    for pair in (["zero1", "zero2"], ["zero2", "fsdp"], ["zero1", "fsdp"]):
+        with pytest.raises(StrategyConflictError):
+            plan_strategy(Strategy(["parallel_mode", *pair]), device_ctx(2))
+
+
+def test_missing_backends_are_dropped_with_the_install_hint():
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        strategy, notes = plan_strategy(Strategy(["parallel_mode", ("zero1", {"use_ds_zero": True})]), device_ctx(2))
+        assert strategy.opt_names == ["parallel_mode"]
+        assert any("atorch[deepspeed]" in n for n in notes)
+    if importlib.util.find_spec("fairscale") is None:
+        strategy, notes = plan_strategy(Strategy(["parallel_mode", ("zero2", {"not_use_fsdp": True})]), device_ctx(2))
+        assert strategy.opt_names == ["parallel_mode"]
+        assert any("atorch[fairscale]" in n for n in notes)

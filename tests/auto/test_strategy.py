@@ -17,6 +17,10 @@ ATORCH_FORMS = {
     "half": "bf16",
     "checkpoint": (Block,),
     "native_dynamo": {"backend": "aot_eager", "fullgraph": True},
+    "zero1": {"use_ds_zero": True},
+    "zero2": {"not_use_fsdp": True},
+    "fsdp": {"atorch_wrap_cls": (Block,), "param_dtype": torch.bfloat16, "atorch_size_based_min_num_params": 10,
+             "atorch_ignored_cls": ["LayerNorm"], "wrap_trainable_outmost": True, "reshard_after_forward": False},
 }
 
 

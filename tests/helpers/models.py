@@ -64,11 +64,29 @@ def global_mean(value: torch.Tensor) -> float:
     return value.item()
 
 
+def local_numel(tensors) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return sum((t.to_local() if isinstance(t, DTensor) else t).numel() for t in tensors)
+
+
+def optimizer_state_numel(optim) -> int:
+    """Elements of optimizer state this rank holds (inside AmpOptimizer / ZeroRedundancyOptimizer)."""
+    inner = getattr(optim, "optimizer", optim)
+    inner = getattr(inner, "optim", inner)
+    return local_numel(v for state in inner.state.values() for v in state.values() if torch.is_tensor(v) and v.ndim > 0)
+
+
 def train_losses(load_strategy, steps: int = 5, batch_size: int = 8, lr: float = 0.05, shuffle: bool = False,
-                 optim=torch.optim.SGD, seed: int = 0, **kwargs) -> dict:
+                 optim=torch.optim.SGD, seed: int = 0, clip: float | None = None, freeze_embed: bool = False,
+                 **kwargs) -> dict:
     """Train the tiny transformer through auto_accelerate; return global losses and the strategy."""
+    from atorch.auto import clip_grad_norm
+
     torch.manual_seed(seed)
     model = TinyTransformer()
+    if freeze_embed:
+        model.embed.weight.requires_grad_(False)
     status, result, strategy = auto_accelerate(
         model,
         optim,
@@ -80,13 +98,24 @@ def train_losses(load_strategy, steps: int = 5, batch_size: int = 8, lr: float =
         load_strategy=load_strategy,
         **kwargs,
     )
-    losses = []
+    losses, norms = [], []
     batches = iter(result.dataloader)
     for _ in range(steps):
         batch = result.prepare_input(next(batches), atorch.device())
         loss = result.loss_func(batch, result.model(**batch))
         loss.backward()
+        if clip is not None:
+            norms.append(clip_grad_norm(result.model, clip).item())
         result.optim.step()
         result.optim.zero_grad()
         losses.append(global_mean(loss))
-    return {"status": status, "losses": losses, "strategy": strategy.to_json(), "model_type": type(result.model).__name__}
+    return {
+        "status": status,
+        "losses": losses,
+        "norms": norms,
+        "strategy": strategy.to_json(),
+        "model_type": type(result.model).__name__,
+        "optim_type": type(result.optim).__name__,
+        "state_numel": optimizer_state_numel(result.optim),
+        "param_numel": local_numel(result.model.parameters()),
+    }

@@ -1,0 +1,66 @@
+"""Gradient clipping by the true global norm, whatever shards the gradients."""
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+
+def _local_power_sum(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    if math.isinf(norm_type):
+        return torch.stack([g.detach().abs().max().float() for g in grads]).max()
+    return torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type for g in grads]).sum()
+
+
+def grad_norm(parameters: torch.nn.Module | Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all gradients together, as the serial model would compute it.
+
+    Plain gradients (DDP, ZeRO-1: the same on every rank) count once; sharded DTensor gradients
+    (fsdp, zero2) contribute their local shard and are summed over the mesh dims they are split on.
+    """
+    params = parameters.parameters() if isinstance(parameters, torch.nn.Module) else parameters
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    is_inf = math.isinf(norm_type)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g.to_local() if isinstance(g, DTensor) else g)
+    parts = []
+    for key, local in groups.items():
+        part = _local_power_sum(local, norm_type)
+        if key is not None:
+            mesh, placements = key
+            for dim, placement in enumerate(placements):
+                if isinstance(placement, Shard):
+                    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+                    dist.all_reduce(part, op=op, group=mesh.get_group(dim))
+        parts.append(part)
+    total = torch.stack([p.to(parts[0].device) for p in parts])
+    return total.max() if is_inf else total.sum() ** (1.0 / norm_type)
+
+
+def clip_grad_norm(model: torch.nn.Module | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale gradients so their global norm is at most ``max_norm``; return the norm before clipping.
+
+    Works under every strategy (DDP, zero1, zero2, fsdp, single process) and equals
+    ``torch.nn.utils.clip_grad_norm_`` on the serial model. With fp16 ``amp_native``, call
+    ``optim.unscale_()`` first.
+
+    Example::
+
+        loss.backward()
+        norm = atorch.auto.clip_grad_norm(result.model, 1.0)
+        optim.step()
+    """
+    params = list(model.parameters() if isinstance(model, torch.nn.Module) else model)
+    total = grad_norm(params, norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            grad.mul_(coef.to(grad.device, grad.dtype))
+    return total

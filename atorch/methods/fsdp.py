@@ -1,0 +1,102 @@
+"""fsdp: fully sharded data parallel with FSDP2 (``fully_shard``): parameters, gradients and
+optimizer state split over the data-parallel ranks.
+
+Config forms: ``"fsdp"`` (the model's repeated blocks become units, found by structure),
+``("fsdp", {"atorch_wrap_cls": (LlamaDecoderLayer,), "param_dtype": "bf16"})``. With
+``amp_native`` in the same strategy, its dtype becomes FSDP's compute dtype (gradients reduced in
+fp32) instead of autocast.
+"""
+
+import torch
+from pydantic import Field, model_validator
+
+from atorch.auto.config_types import ClassRef, DType, MethodConfig, as_list, class_name
+from atorch.auto.context import ModelContext
+from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.errors import MethodConfigError
+from atorch.sharding import fsdp2
+from atorch.utils.log import logger
+from atorch.utils.modules import class_names_in, find_block_classes
+
+
+class FsdpConfig(MethodConfig):
+    atorch_wrap_cls: list[ClassRef] = Field(default_factory=list, description="classes that become FSDP units; empty: the repeated blocks")
+    atorch_size_based_min_num_params: int | None = Field(default=None, ge=1, description="also make a unit of any module with this many uncovered parameters")
+    atorch_ignored_cls: list[ClassRef] = Field(default_factory=list, description="classes whose parameters stay unsharded (gradients still averaged)")
+    wrap_trainable_outmost: bool = Field(default=False, description="make the outermost all-trainable modules (LoRA adapters) their own units")
+    reshard_after_forward: bool = Field(default=True, description="free gathered parameters after forward (ZeRO-3); False keeps them for backward")
+    param_dtype: DType | None = Field(default=None, description="compute dtype of gathered parameters")
+    reduce_dtype: DType | None = Field(default=None, description="dtype of the gradient reduce-scatter")
+    output_dtype: DType | None = Field(default=None, description="cast the root's floating outputs to this dtype")
+    cpu_offload: bool = Field(default=False, description="keep sharded parameters and optimizer state in CPU memory")
+    forward_prefetch: bool = Field(default=False, description="start gathering the next unit's parameters during this unit's forward")
+    sync_module_states: bool = Field(default=True, description="start every rank from the first rank's weights")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _classes_as_names(cls, raw):
+        if isinstance(raw, dict):
+            raw = dict(raw)
+            for key in ("atorch_wrap_cls", "atorch_ignored_cls"):
+                if key in raw:
+                    raw[key] = [class_name(c) for c in as_list(raw[key])]
+        return raw
+
+
+def resolve(model: torch.nn.Module, config: FsdpConfig) -> FsdpConfig:
+    if config.atorch_wrap_cls or config.atorch_size_based_min_num_params or config.wrap_trainable_outmost:
+        if config.atorch_wrap_cls and not fsdp2.choose_units(model, config.atorch_wrap_cls):
+            raise MethodConfigError(
+                f"fsdp: no module of class {config.atorch_wrap_cls} in the model; classes in the model: {class_names_in(model)}"
+            )
+        return config
+    return config.model_copy(update={"atorch_wrap_cls": [class_name(c) for c in find_block_classes(model)]})
+
+
+def mixed_precision_from(ctx: ModelContext, param_dtype=None, reduce_dtype=None, output_dtype=None):
+    """FSDP's mixed-precision policy; an absorbed amp_native supplies the compute dtype."""
+    amp = ctx.strategy.get("amp_native") if ctx.strategy is not None else None
+    if amp is not None and param_dtype is None:
+        # Compute in amp's dtype, reduce gradients in fp32 for accuracy.
+        param_dtype, reduce_dtype = amp.dtype, reduce_dtype or torch.float32
+    return fsdp2.mixed_precision(param_dtype, reduce_dtype, output_dtype)
+
+
+def shard(ctx: ModelContext, config: FsdpConfig) -> None:
+    units = fsdp2.choose_units(
+        ctx.model, config.atorch_wrap_cls, config.atorch_size_based_min_num_params,
+        config.atorch_ignored_cls, config.wrap_trainable_outmost,
+    )
+    if config.sync_module_states:
+        fsdp2.broadcast_module_states(ctx.model, ctx.topology.data_parallel_group)
+    cpu_offload = config.cpu_offload
+    if cpu_offload and ctx.device.type == "cpu":
+        logger.info("fsdp: cpu_offload has no effect, the model already lives in CPU memory")
+        cpu_offload = False
+    fsdp2.shard_model(
+        ctx.model,
+        ctx.topology.data_parallel_mesh,
+        units,
+        reshard_after_forward=config.reshard_after_forward,
+        mp_policy=mixed_precision_from(ctx, config.param_dtype, config.reduce_dtype, config.output_dtype),
+        cpu_offload=cpu_offload,
+        ignored=fsdp2.ignored_parameters(ctx.model, config.atorch_ignored_cls),
+        forward_prefetch=config.forward_prefetch,
+    )
+    ctx.wrapped_by = "fsdp"
+    logger.info("fsdp: %d units + root sharded over %d ranks", len(units), ctx.topology.data_parallel_size)
+
+
+register_method(
+    MethodSpec(
+        name="fsdp",
+        config_cls=FsdpConfig,
+        hooks={Stage.WRAP: shard},
+        description="FSDP2 full sharding of parameters, gradients and optimizer state",
+        distributed_only=True,
+        needs_data_parallel=True,
+        conflicts=("zero1", "zero2"),
+        absorbs=("amp_native",),
+        resolve=resolve,
+    )
+)

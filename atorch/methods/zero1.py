@@ -1,0 +1,59 @@
+"""zero1: optimizer state sharded over the data-parallel ranks (ZeRO stage 1).
+
+Config forms: ``"zero1"`` (PyTorch's ``ZeroRedundancyOptimizer`` under DDP), ``{"use_ds_zero":
+true}`` (DeepSpeed ZeRO-1; then ``result.optim.backward(loss)`` replaces ``loss.backward()``).
+Each rank keeps the optimizer state of about 1/N of the parameters and broadcasts its updated
+parameters after every step; gradients are all-reduced by DDP as usual.
+"""
+
+from pydantic import Field
+
+from atorch.auto.config_types import MethodConfig
+from atorch.auto.context import ModelContext
+from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.sharding.deepspeed import deepspeed_unavailable, wrap_deepspeed
+
+
+class Zero1Config(MethodConfig):
+    use_ds_zero: bool = Field(default=False, description="use DeepSpeed ZeRO-1 instead of ZeroRedundancyOptimizer")
+
+
+def _zero_optimizer(ctx: ModelContext):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(
+        ctx.optim_params(),
+        optimizer_class=ctx.optim_func,
+        process_group=ctx.topology.data_parallel_group,
+        **ctx.optim_args,
+    )
+
+
+def claim(ctx: ModelContext, config: Zero1Config) -> None:
+    if config.use_ds_zero:
+        ctx.wrapped_by = "zero1"  # DeepSpeed's engine replaces DDP (wrapped in RUNTIME)
+    else:
+        ctx.optim_factory = _zero_optimizer  # DDP stays; only the optimizer changes
+
+
+def deepspeed_wrap(ctx: ModelContext, config: Zero1Config) -> None:
+    if config.use_ds_zero:
+        wrap_deepspeed(ctx, stage=1)
+
+
+def _unsupported(device_ctx, config: Zero1Config) -> str | None:
+    return deepspeed_unavailable() if config.use_ds_zero else None
+
+
+register_method(
+    MethodSpec(
+        name="zero1",
+        config_cls=Zero1Config,
+        hooks={Stage.WRAP: claim, Stage.RUNTIME: deepspeed_wrap},
+        description="ZeRO-1: optimizer state sharded over data-parallel ranks",
+        distributed_only=True,
+        needs_data_parallel=True,
+        conflicts=("zero2", "fsdp"),
+        unsupported=_unsupported,
+    )
+)

@@ -1,0 +1,86 @@
+"""zero2: gradients and optimizer state sharded over the data-parallel ranks (ZeRO stage 2).
+
+Config forms: ``"zero2"`` (FSDP2 over the model's blocks, parameters kept gathered from forward
+to backward), ``{"not_use_fsdp": true}`` (fairscale OSS + ShardedDDP), ``{"use_ds_zero": true}``
+(DeepSpeed ZeRO-2). With ``amp_native`` in the strategy, the FSDP2 path computes in its dtype.
+"""
+
+import importlib.util
+
+from pydantic import Field, model_validator
+
+from atorch.auto.config_types import MethodConfig
+from atorch.auto.context import ModelContext
+from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.methods.fsdp import mixed_precision_from
+from atorch.sharding import fsdp2
+from atorch.sharding.deepspeed import deepspeed_unavailable, wrap_deepspeed
+from atorch.utils.modules import find_block_classes
+from atorch.auto.config_types import class_name
+
+
+class Zero2Config(MethodConfig):
+    use_ds_zero: bool = Field(default=False, description="DeepSpeed ZeRO-2")
+    not_use_fsdp: bool = Field(default=False, description="fairscale OSS + ShardedDDP instead of FSDP2")
+
+    @model_validator(mode="after")
+    def _one_backend(self):
+        if self.use_ds_zero and self.not_use_fsdp:
+            raise ValueError("use_ds_zero and not_use_fsdp pick different backends; set at most one")
+        return self
+
+
+def _fairscale_optimizer(ctx: ModelContext):
+    from fairscale.optim.oss import OSS
+
+    return OSS(ctx.optim_params(), optim=ctx.optim_func, group=ctx.topology.data_parallel_group, **ctx.optim_args)
+
+
+def shard(ctx: ModelContext, config: Zero2Config) -> None:
+    ctx.wrapped_by = "zero2"
+    if config.use_ds_zero:
+        return  # DeepSpeed wraps in RUNTIME, once the optimizer exists
+    if config.not_use_fsdp:
+        ctx.optim_factory = _fairscale_optimizer
+        return
+    fsdp2.broadcast_module_states(ctx.model, ctx.topology.data_parallel_group)
+    units = fsdp2.choose_units(ctx.model, [class_name(c) for c in find_block_classes(ctx.model)])
+    fsdp2.shard_model(
+        ctx.model, ctx.topology.data_parallel_mesh, units,
+        reshard_after_forward=False, mp_policy=mixed_precision_from(ctx),
+    )
+
+
+def wrap_fairscale(ctx: ModelContext, config: Zero2Config) -> None:
+    if config.not_use_fsdp:
+        from fairscale.nn.data_parallel import ShardedDataParallel
+
+        ctx.model = ShardedDataParallel(ctx.model, ctx.base_optim, process_group=ctx.topology.data_parallel_group)
+
+
+def wrap_ds(ctx: ModelContext, config: Zero2Config) -> None:
+    if config.use_ds_zero:
+        wrap_deepspeed(ctx, stage=2)
+
+
+def _unsupported(device_ctx, config: Zero2Config) -> str | None:
+    if config.use_ds_zero:
+        return deepspeed_unavailable()
+    if config.not_use_fsdp and importlib.util.find_spec("fairscale") is None:
+        return "not_use_fsdp needs fairscale, which is not installed (pip install 'atorch[fairscale]')"
+    return None
+
+
+register_method(
+    MethodSpec(
+        name="zero2",
+        config_cls=Zero2Config,
+        hooks={Stage.WRAP: shard, Stage.OPTIMIZER: wrap_fairscale, Stage.RUNTIME: wrap_ds},
+        description="ZeRO-2: gradients and optimizer state sharded over data-parallel ranks",
+        distributed_only=True,
+        needs_data_parallel=True,
+        conflicts=("zero1", "fsdp"),
+        absorbs=("amp_native",),
+        unsupported=_unsupported,
+    )
+)

@@ -1,0 +1,1 @@
+"""Sharding back-ends shared by the zero1, zero2 and fsdp methods."""

@@ -1,0 +1,136 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) applied to a model in units chosen by class,
+size, or trainability; shared by the fsdp and zero2 methods."""
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from atorch.auto.config_types import class_matches
+
+
+def _matches(module: torch.nn.Module, names: Sequence[str]) -> bool:
+    return any(class_matches(type(module), name) for name in names)
+
+
+def _trainable_outmost(model: torch.nn.Module) -> list[str]:
+    """The outermost submodules whose parameters are all trainable (LoRA adapters in a frozen model)."""
+    found: list[str] = []
+
+    def visit(prefix: str, module: torch.nn.Module) -> None:
+        params = list(module.parameters())
+        if prefix and params and all(p.requires_grad for p in params):
+            found.append(prefix)
+            return
+        for name, child in module.named_children():
+            visit(f"{prefix}.{name}" if prefix else name, child)
+
+    visit("", model)
+    return found
+
+
+def _size_based(model: torch.nn.Module, min_num_params: int, already: set[str]) -> list[str]:
+    """Post-order: a module whose not-yet-covered parameters reach ``min_num_params`` becomes a unit."""
+    found: list[str] = []
+
+    def visit(prefix: str, module: torch.nn.Module) -> int:
+        uncovered = sum(p.numel() for p in module.parameters(recurse=False))
+        for name, child in module.named_children():
+            uncovered += visit(f"{prefix}.{name}" if prefix else name, child)
+        if prefix in already:
+            return 0
+        if prefix and uncovered >= min_num_params:
+            found.append(prefix)
+            return 0
+        return uncovered
+
+    visit("", model)
+    return found
+
+
+def choose_units(
+    model: torch.nn.Module,
+    wrap_names: Sequence[str],
+    min_num_params: int | None = None,
+    ignored_names: Sequence[str] = (),
+    trainable_outmost: bool = False,
+) -> list[str]:
+    """Names of the submodules that become their own FSDP unit, innermost first (the order
+    ``fully_shard`` must be applied in). The root is always a unit and is not listed."""
+    ignored_prefixes = [name for name, m in model.named_modules() if name and _matches(m, ignored_names)]
+
+    def is_ignored(name: str) -> bool:
+        return any(name == p or name.startswith(p + ".") for p in ignored_prefixes)
+
+    units = [name for name, m in model.named_modules() if name and _matches(m, wrap_names)]
+    if trainable_outmost:
+        units += [n for n in _trainable_outmost(model) if n not in units]
+    if min_num_params:
+        units += [n for n in _size_based(model, min_num_params, set(units)) if n not in units]
+    units = [n for n in units if not is_ignored(n)]
+    return sorted(units, key=lambda n: n.count("."), reverse=True)
+
+
+def ignored_parameters(model: torch.nn.Module, ignored_names: Sequence[str]) -> set[torch.nn.Parameter]:
+    return {p for m in model.modules() if _matches(m, ignored_names) for p in m.parameters()}
+
+
+def broadcast_module_states(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
+    """Every rank starts from the first rank's parameters and buffers, as DDP does."""
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(tensor.data, src=src, group=group)
+
+
+def _average_grad_hook(group: dist.ProcessGroup):
+    size = dist.get_world_size(group)
+
+    def hook(param: torch.Tensor) -> None:
+        dist.all_reduce(param.grad, group=group)
+        param.grad.div_(size)
+
+    return hook
+
+
+def shard_model(
+    model: torch.nn.Module,
+    mesh: DeviceMesh,
+    units: Sequence[str],
+    *,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    cpu_offload: bool = False,
+    ignored: set[torch.nn.Parameter] = frozenset(),
+    forward_prefetch: bool = False,
+) -> torch.nn.Module:
+    """Shard ``units`` (innermost first) and then the root over ``mesh``; return the root."""
+    kwargs = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
+    }
+    if ignored:
+        kwargs["ignored_params"] = set(ignored)
+        # FSDP leaves ignored parameters alone, gradients included; average trainable ones here
+        # so every rank still takes the same step.
+        hook = _average_grad_hook(mesh.get_group())
+        for param in ignored:
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(hook)
+    modules = dict(model.named_modules())
+    for name in units:
+        fully_shard(modules[name], **kwargs)
+    fully_shard(model, **kwargs)
+    if forward_prefetch:
+        in_order = [modules[n] for n in sorted(units, key=list(modules).index)]
+        for current, following in zip(in_order, in_order[1:]):
+            current.set_modules_to_forward_prefetch([following])
+    return model
+
+
+def mixed_precision(param_dtype, reduce_dtype, output_dtype) -> MixedPrecisionPolicy:
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=output_dtype)
