@@ -15,13 +15,18 @@ def _matches(module: torch.nn.Module, names: Sequence[str]) -> bool:
     return any(class_matches(type(module), name) for name in names)
 
 
+def _has_forward(module: torch.nn.Module) -> bool:
+    return type(module).forward is not torch.nn.Module.forward
+
+
 def _trainable_outmost(model: torch.nn.Module) -> list[str]:
     """The outermost submodules whose parameters are all trainable (LoRA adapters in a frozen model)."""
     found: list[str] = []
 
     def visit(prefix: str, module: torch.nn.Module) -> None:
         params = list(module.parameters())
-        if prefix and params and all(p.requires_grad for p in params):
+        # Containers (ModuleDict, ModuleList) have no forward for FSDP to hook: look inside them.
+        if prefix and params and all(p.requires_grad for p in params) and _has_forward(module):
             found.append(prefix)
             return
         for name, child in module.named_children():
@@ -41,7 +46,7 @@ def _size_based(model: torch.nn.Module, min_num_params: int, already: set[str]) 
             uncovered += visit(f"{prefix}.{name}" if prefix else name, child)
         if prefix in already:
             return 0
-        if prefix and uncovered >= min_num_params:
+        if prefix and uncovered >= min_num_params and _has_forward(module):
             found.append(prefix)
             return 0
         return uncovered

@@ -1,0 +1,76 @@
+"""Tiny Hugging Face models built from configs (no download), optionally with LoRA adapters."""
+
+import torch
+
+import atorch
+from atorch.auto import auto_accelerate
+from tests.helpers.models import global_mean, local_numel, optimizer_state_numel
+
+VOCAB = 96
+
+
+def tiny_llama(seed: int = 0, lora: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+        # peft starts lora_B at zero; give it values so the adapters change the output from step 0.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.02)
+    return model
+
+
+class CountingTokens(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64, seq: int = 16):
+        gen = torch.Generator().manual_seed(0)
+        start = torch.randint(0, VOCAB, (n, 1), generator=gen)
+        self.tokens = (start + torch.arange(seq)) % VOCAB
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
+
+
+def train_hf(load_strategy, steps: int = 5, lora: bool = False, lr: float = 1e-2) -> dict:
+    model = tiny_llama(lora=lora)
+    frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    _, result, strategy = auto_accelerate(
+        model, torch.optim.AdamW, CountingTokens(), lambda batch, out: out.loss, optim_args={"lr": lr},
+        dataloader_args={"batch_size": 8}, model_input_format="unpack_dict", load_strategy=load_strategy,
+    )
+    losses = []
+    batches = iter(result.dataloader)
+    for _ in range(steps):
+        batch = result.prepare_input(next(batches), atorch.device())
+        loss = result.loss_func(batch, result.model(**batch))
+        loss.backward()
+        result.optim.step()
+        result.optim.zero_grad()
+        losses.append(global_mean(loss))
+    from torch.distributed.tensor import DTensor
+
+    def full(p):
+        return p.full_tensor() if isinstance(p, DTensor) else p
+
+    frozen_unchanged = all(
+        torch.equal(full(p).detach(), frozen_before[n]) for n, p in model.named_parameters() if n in frozen_before
+    )
+    return {
+        "losses": losses,
+        "strategy": strategy.to_json(),
+        "frozen_unchanged": frozen_unchanged,
+        "n_frozen": len(frozen_before),
+        "state_numel": optimizer_state_numel(result.optim),
+        "trainable_numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "param_numel": local_numel(model.parameters()),
+    }
