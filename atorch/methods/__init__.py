@@ -7,8 +7,10 @@ To add one, write ``atorch/methods/<name>.py`` with a pydantic ``Config``, hook 
 from atorch.methods import (  # noqa: F401
     amp_native,
     checkpoint,
+    fp8,
     fsdp,
     half,
+    module_replace,
     native_dynamo,
     parallel_mode,
     zero1,
