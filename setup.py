@@ -23,6 +23,7 @@ setup(
         "fairscale": ["fairscale>=0.4.13"],
         "transformer-engine": ["transformer-engine[pytorch]>=1.8"],
         "peft": ["peft>=0.10"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45"],
+        # The suite runs the optional back-ends too, so CI installs them.
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45", "peft>=0.10", "deepspeed>=0.14", "fairscale>=0.4.13"],
     },
 )

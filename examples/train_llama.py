@@ -103,6 +103,9 @@ def main() -> None:
     if atorch.rank() == 0:
         print(f"done: {args.steps} steps in {time.perf_counter() - start:.1f}s", flush=True)
     if torch.distributed.is_initialized():
+        # Leave together: a rank that tears down its connections while a peer is still
+        # finishing can make gloo abort at exit.
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 

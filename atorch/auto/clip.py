@@ -56,6 +56,18 @@ def clip_grad_norm(model: torch.nn.Module | Iterable[torch.Tensor], max_norm: fl
         norm = atorch.auto.clip_grad_norm(result.model, 1.0)
         optim.step()
     """
+    if type(model).__name__ == "DeepSpeedEngine":
+        from atorch.errors import NotSupportedError
+
+        raise NotSupportedError(
+            "DeepSpeed clips inside its engine: set it in the strategy, e.g. "
+            "('zero2', {'use_ds_zero': True, 'ds_config': {'gradient_clipping': 1.0}})"
+        )
+    sharded_optims = getattr(model, "_sharded_optimizers", None)
+    if sharded_optims:
+        # fairscale's ShardedDataParallel keeps each gradient only on the rank that owns its
+        # parameter; its OSS optimizer knows the split and computes the global norm itself.
+        return sharded_optims[0].clip_grad_norm(max_norm, norm_type)
     params = list(model.parameters() if isinstance(model, torch.nn.Module) else model)
     total = grad_norm(params, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -6,6 +6,8 @@ Each rank keeps the optimizer state of about 1/N of the parameters and broadcast
 parameters after every step; gradients are all-reduced by DDP as usual.
 """
 
+from typing import Any
+
 from pydantic import Field
 
 from atorch.auto.config_types import MethodConfig
@@ -16,6 +18,7 @@ from atorch.sharding.deepspeed import deepspeed_unavailable, wrap_deepspeed
 
 class Zero1Config(MethodConfig):
     use_ds_zero: bool = Field(default=False, description="use DeepSpeed ZeRO-1 instead of ZeroRedundancyOptimizer")
+    ds_config: dict[str, Any] | None = Field(default=None, description="extra DeepSpeed config merged over atorch's (e.g. gradient_clipping)")
 
 
 def _zero_optimizer(ctx: ModelContext):
@@ -38,7 +41,7 @@ def claim(ctx: ModelContext, config: Zero1Config) -> None:
 
 def deepspeed_wrap(ctx: ModelContext, config: Zero1Config) -> None:
     if config.use_ds_zero:
-        wrap_deepspeed(ctx, stage=1)
+        wrap_deepspeed(ctx, stage=1, user_config=config.ds_config)
 
 
 def _unsupported(device_ctx, config: Zero1Config) -> str | None:

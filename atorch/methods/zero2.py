@@ -7,6 +7,8 @@ to backward), ``{"not_use_fsdp": true}`` (fairscale OSS + ShardedDDP), ``{"use_d
 
 import importlib.util
 
+from typing import Any
+
 from pydantic import Field, model_validator
 
 from atorch.auto.config_types import MethodConfig
@@ -22,6 +24,7 @@ from atorch.auto.config_types import class_name
 class Zero2Config(MethodConfig):
     use_ds_zero: bool = Field(default=False, description="DeepSpeed ZeRO-2")
     not_use_fsdp: bool = Field(default=False, description="fairscale OSS + ShardedDDP instead of FSDP2")
+    ds_config: dict[str, Any] | None = Field(default=None, description="extra DeepSpeed config merged over atorch's (e.g. gradient_clipping)")
 
     @model_validator(mode="after")
     def _one_backend(self):
@@ -55,12 +58,16 @@ def wrap_fairscale(ctx: ModelContext, config: Zero2Config) -> None:
     if config.not_use_fsdp:
         from fairscale.nn.data_parallel import ShardedDataParallel
 
-        ctx.model = ShardedDataParallel(ctx.model, ctx.base_optim, process_group=ctx.topology.data_parallel_group)
+        # No gradient buckets: bucketed gradients are views that only model.zero_grad() clears,
+        # and the training loop calls optim.zero_grad().
+        ctx.model = ShardedDataParallel(
+            ctx.model, ctx.base_optim, process_group=ctx.topology.data_parallel_group, reduce_buffer_size=0
+        )
 
 
 def wrap_ds(ctx: ModelContext, config: Zero2Config) -> None:
     if config.use_ds_zero:
-        wrap_deepspeed(ctx, stage=2)
+        wrap_deepspeed(ctx, stage=2, user_config=config.ds_config)
 
 
 def _unsupported(device_ctx, config: Zero2Config) -> str | None:

@@ -34,6 +34,7 @@ def _worker(rank, world_size, port, fn, args, kwargs, queue):
     try:
         atorch.init_distributed(backend="gloo")
         result = fn(*args, **kwargs)
+        dist.barrier()  # leave together (see examples/train_llama.py)
         queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent test
         queue.put((rank, False, traceback.format_exc()))

@@ -103,11 +103,15 @@ def train_losses(load_strategy, steps: int = 5, batch_size: int = 8, lr: float =
     for _ in range(steps):
         batch = result.prepare_input(next(batches), atorch.device())
         loss = result.loss_func(batch, result.model(**batch))
-        loss.backward()
-        if clip is not None:
-            norms.append(clip_grad_norm(result.model, clip).item())
-        result.optim.step()
-        result.optim.zero_grad()
+        if result.args["use_optim_backward"]:  # DeepSpeed: the engine runs backward and zeroes grads
+            result.optim.backward(loss)
+            result.optim.step()
+        else:
+            loss.backward()
+            if clip is not None:
+                norms.append(clip_grad_norm(result.model, clip).item())
+            result.optim.step()
+            result.optim.zero_grad()
         losses.append(global_mean(loss))
     return {
         "status": status,
@@ -116,6 +120,7 @@ def train_losses(load_strategy, steps: int = 5, batch_size: int = 8, lr: float =
         "strategy": strategy.to_json(),
         "model_type": type(result.model).__name__,
         "optim_type": type(result.optim).__name__,
-        "state_numel": optimizer_state_numel(result.optim),
+        "state_numel": None if result.args["use_optim_backward"] else optimizer_state_numel(result.optim),
+        "args": dict(result.args),
         "param_numel": local_numel(result.model.parameters()),
     }

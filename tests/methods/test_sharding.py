@@ -1,5 +1,7 @@
 """zero1, zero2 and fsdp on 2 gloo processes against the single-process reference."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -28,6 +30,39 @@ def test_sharded_training_matches_single_process(method, reference):
     assert results[0]["norms"] == pytest.approx(reference["norms"], rel=FP32_RTOL)
     name = method if isinstance(method, str) else method[0]
     assert Strategy.from_json(results[0]["strategy"]).opt_names == ["parallel_mode", name]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fairscale") is None, reason="fairscale is not installed")
+def test_zero2_with_fairscale_matches_single_process(reference):
+    results = run_distributed(train_losses, 2, ["parallel_mode", ("zero2", {"not_use_fsdp": True})], **ADAM)
+    assert_ranks_agree(results)
+    assert (results[0]["model_type"], results[0]["optim_type"]) == ("ShardedDataParallel", "OSS")
+    assert_losses_close(results[0]["losses"], reference["losses"], FP32_RTOL)
+    assert results[0]["norms"] == pytest.approx(reference["norms"], rel=FP32_RTOL)
+    held = [r["state_numel"] for r in results]
+    assert sum(held) == reference["state_numel"] and max(held) < 0.7 * reference["state_numel"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+@pytest.mark.parametrize("stage", ["zero1", "zero2"])
+def test_deepspeed_zero_matches_single_process(stage, reference):
+    adam = {k: v for k, v in ADAM.items() if k != "clip"}
+    fp32_reference = train_losses([], **adam)
+    results = run_distributed(train_losses, 2, ["parallel_mode", (stage, {"use_ds_zero": True})], **adam)
+    assert_ranks_agree(results)
+    assert results[0]["model_type"] == "DeepSpeedEngine"
+    assert results[0]["args"] == {"use_optim_backward": True, "requires_set_gradient_accumulation_boundary": True}
+    assert_losses_close(results[0]["losses"], fp32_reference["losses"], FP32_RTOL)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+def test_deepspeed_takes_over_amp_native():
+    adam = {k: v for k, v in ADAM.items() if k != "clip"}
+    bf16_reference = train_losses([("amp_native", "bf16")], **adam)
+    strategy = ["parallel_mode", ("amp_native", "bf16"), ("zero2", {"use_ds_zero": True, "ds_config": {"gradient_clipping": 1.0}})]
+    results = run_distributed(train_losses, 2, strategy, **adam)
+    assert_ranks_agree(results)
+    assert_losses_close(results[0]["losses"], bf16_reference["losses"], 2e-2)
 
 
 @pytest.mark.parametrize("method", ["zero1", "zero2", "fsdp"])
