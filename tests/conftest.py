@@ -6,7 +6,6 @@ import os
 import pytest
 import torch.distributed as dist
 
-
 # Set by pytest itself, or by torch the first time inductor is imported (a cache location).
 _NOT_OURS = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 

@@ -3,9 +3,9 @@
 from atorch.auto.accelerate import AutoAccelerateResult, apply_strategy, auto_accelerate
 from atorch.auto.clip import clip_grad_norm, grad_norm
 from atorch.auto.context import ModelContext, move_to_device, run_model
-from atorch.modules.replace import register_replace_pair
 from atorch.auto.registry import MethodSpec, Stage, get_method, method_names, register_method
 from atorch.auto.strategy import Strategy
+from atorch.modules.replace import register_replace_pair
 
 __all__ = [
     "AutoAccelerateResult",

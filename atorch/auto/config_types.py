@@ -53,8 +53,29 @@ def class_matches(cls: type, name: str) -> bool:
     return name in (f"{cls.__module__}.{cls.__qualname__}", cls.__qualname__, cls.__name__)
 
 
+def to_half_dtype(value: Any) -> torch.dtype:
+    dtype = to_dtype(value)
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"needs float16 or bfloat16, not {dtype_name(dtype)}")
+    return dtype
+
+
+def bf16_unsupported(device_ctx: Any, dtype: torch.dtype) -> str | None:
+    """Why this device cannot compute in ``dtype``, or None (for a method's ``unsupported``)."""
+    if device_ctx.device_type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        return "this GPU has no bfloat16 support"
+    return None
+
+
 DType = Annotated[torch.dtype, BeforeValidator(to_dtype), PlainSerializer(dtype_name, return_type=str)]
+# float16 or bfloat16 only (mixed and half precision).
+HalfDType = Annotated[torch.dtype, BeforeValidator(to_half_dtype), PlainSerializer(dtype_name, return_type=str)]
 ClassRef = Annotated[str, BeforeValidator(class_name)]
+
+
+def dtype_shorthand(raw: Any) -> Any:
+    """ATorch's shorthand ``("half", "bf16")`` / ``("amp_native", torch.bfloat16)`` as a dict."""
+    return {"dtype": raw} if isinstance(raw, (str, torch.dtype)) else raw
 
 
 def as_list(value: Any) -> list:

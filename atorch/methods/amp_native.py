@@ -6,35 +6,24 @@ gradients overflow; bf16 needs no scaling, and ``skip_if_nonfinite=True`` skips 
 inf/nan gradients. The training loop keeps calling ``loss.backward()`` and ``optim.step()``.
 """
 
-from typing import Any
 
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from atorch.amp.autocast import autocast_module
 from atorch.amp.optimizer import AmpOptimizer, ScaledLossFunc
-from atorch.auto.config_types import DType, MethodConfig
+from atorch.auto.config_types import HalfDType, MethodConfig, bf16_unsupported, dtype_shorthand
 from atorch.auto.context import ModelContext
 from atorch.auto.registry import MethodSpec, Stage, register_method
 
 
 class AmpNativeConfig(MethodConfig):
-    dtype: DType = Field(default=torch.float16, description="autocast dtype: float16 or bfloat16")
+    dtype: HalfDType = Field(default=torch.float16, description="autocast dtype: float16 or bfloat16")
     skip_if_nonfinite: bool = Field(default=False, description="bf16: skip optimizer steps whose gradients hold inf/nan")
     init_scale: float = Field(default=2.0**16, gt=0, description="fp16: initial loss scale")
     growth_interval: int = Field(default=2000, ge=1, description="fp16: good steps before the scale doubles")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _from_atorch_form(cls, raw: Any) -> Any:
-        return {"dtype": raw} if isinstance(raw, (str, torch.dtype)) else raw
-
-    @field_validator("dtype")
-    @classmethod
-    def _half_only(cls, dtype: torch.dtype) -> torch.dtype:
-        if dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"amp_native needs float16 or bfloat16, not {dtype}")
-        return dtype
+    _from_atorch_form = model_validator(mode="before")(dtype_shorthand)
 
 
 def wrap_forward(ctx: ModelContext, config: AmpNativeConfig) -> None:
@@ -54,10 +43,8 @@ def wrap_optimizer(ctx: ModelContext, config: AmpNativeConfig) -> None:
         ctx.loss_func = ScaledLossFunc(ctx.loss_func, scaler)
 
 
-def _unsupported(device_ctx, config: AmpNativeConfig) -> str | None:
-    if device_ctx.device_type == "cuda" and config.dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        return "this GPU has no bfloat16 support"
-    return None
+def _unsupported(device_ctx, config) -> str | None:
+    return bf16_unsupported(device_ctx, config.dtype)
 
 
 register_method(

@@ -8,27 +8,17 @@ Config forms: ``"half"`` (fp16), ``("half", "bf16")``, ``("half", torch.bfloat16
 from typing import Any
 
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from atorch.auto.config_types import DType, MethodConfig
+from atorch.auto.config_types import HalfDType, MethodConfig, bf16_unsupported, dtype_shorthand
 from atorch.auto.context import ModelContext
 from atorch.auto.registry import MethodSpec, Stage, register_method
 
 
 class HalfConfig(MethodConfig):
-    dtype: DType = Field(default=torch.float16, description="float16 or bfloat16")
+    dtype: HalfDType = Field(default=torch.float16, description="float16 or bfloat16")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _from_atorch_form(cls, raw: Any) -> Any:
-        return {"dtype": raw} if isinstance(raw, (str, torch.dtype)) else raw
-
-    @field_validator("dtype")
-    @classmethod
-    def _half_only(cls, dtype: torch.dtype) -> torch.dtype:
-        if dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"half needs float16 or bfloat16, not {dtype}")
-        return dtype
+    _from_atorch_form = model_validator(mode="before")(dtype_shorthand)
 
 
 def cast_floats(data: Any, dtype: torch.dtype) -> Any:
@@ -57,10 +47,8 @@ def to_half(ctx: ModelContext, config: HalfConfig) -> None:
     ctx.prepare_input = _CastingPrepareInput(ctx.prepare_input, config.dtype)
 
 
-def _unsupported(device_ctx, config: HalfConfig) -> str | None:
-    if device_ctx.device_type == "cuda" and config.dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        return "this GPU has no bfloat16 support"
-    return None
+def _unsupported(device_ctx, config) -> str | None:
+    return bf16_unsupported(device_ctx, config.dtype)
 
 
 register_method(

@@ -6,19 +6,17 @@ to backward), ``{"not_use_fsdp": true}`` (fairscale OSS + ShardedDDP), ``{"use_d
 """
 
 import importlib.util
-
 from typing import Any
 
 from pydantic import Field, model_validator
 
-from atorch.auto.config_types import MethodConfig
+from atorch.auto.config_types import MethodConfig, class_name
 from atorch.auto.context import ModelContext
 from atorch.auto.registry import MethodSpec, Stage, register_method
 from atorch.methods.fsdp import mixed_precision_from
 from atorch.sharding import fsdp2
 from atorch.sharding.deepspeed import deepspeed_unavailable, wrap_deepspeed
 from atorch.utils.modules import find_block_classes
-from atorch.auto.config_types import class_name
 
 
 class Zero2Config(MethodConfig):

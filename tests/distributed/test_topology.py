@@ -1,7 +1,6 @@
 import pytest
 import torch.distributed as dist
 
-import atorch
 from atorch.distributed.topology import Topology, resolve_dims
 from atorch.errors import WorldSizeError
 from tests.helpers.dist import run_distributed

@@ -1,11 +1,10 @@
 import pytest
-import torch
 
+from atorch.auto import auto_accelerate
 from atorch.errors import MethodConfigError
 from tests.helpers.compare import FP32_RTOL, assert_losses_close, assert_ranks_agree
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import TinyTransformer, train_losses
-from atorch.auto import auto_accelerate
 
 
 def test_compiled_model_keeps_class_and_keys():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from atorch.auto import Strategy
-from tests.helpers.compare import BF16_RTOL, FP32_RTOL, assert_losses_close, assert_ranks_agree
+from tests.helpers.compare import FP32_RTOL, assert_losses_close, assert_ranks_agree
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import train_losses
 

@@ -1,4 +1,3 @@
-import torch
 from torch import nn
 
 from atorch.sharding.fsdp2 import choose_units
