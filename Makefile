@@ -24,6 +24,7 @@ example: setup
 	$(BIN)/torchrun --nproc_per_node=2 examples/train_llama.py --strategy strategies/ddp_bf16_checkpoint.json
 
 test: setup
+	$(BIN)/ruff check atorch tests examples benchmarks
 	$(BIN)/python -m pytest tests
 
 clean:

@@ -20,10 +20,10 @@ setup(
     extras_require={
         "hf": ["transformers>=4.45"],
         "deepspeed": ["deepspeed>=0.14"],
-        "fairscale": ["fairscale>=0.4.13"],
+        "fairscale": ["fairscale>=0.4.13", "ruff"],
         "transformer-engine": ["transformer-engine[pytorch]>=1.8"],
         "peft": ["peft>=0.10"],
         # The suite runs the optional back-ends too, so CI installs them.
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45", "peft>=0.10", "deepspeed>=0.14", "fairscale>=0.4.13"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45", "peft>=0.10", "deepspeed>=0.14", "fairscale>=0.4.13", "ruff"],
     },
 )
