@@ -19,7 +19,48 @@ AutoAccelerateResult = collections.namedtuple(
     "AutoAccelerateResult", ["model", "optim", "dataloader", "loss_func", "prepare_input", "lr_scheduler", "args"]
 )
 
-_KNOWN_KWARGS = {"verbose", "find_unused_parameters", "sampler_seed", "ignore_dryrun_on_load_strategy"}
+_KNOWN_KWARGS = {
+    "verbose", "find_unused_parameters", "sampler_seed", "ignore_dryrun_on_load_strategy",
+    # the search (docs/search.md)
+    "memory_budget", "time_limit", "report_file", "max_dryruns", "dryrun_warmup_steps", "dryrun_steps",
+    "dryrun_timeout",
+}
+
+
+def _check_searchable(optim_func, dataset, loss_func) -> None:
+    missing = [name for name, value in (("optim_func", optim_func), ("dataset", dataset), ("loss_func", loss_func))
+               if value is None]
+    if missing:
+        raise NotSupportedError(
+            f"the strategy search dry-runs training steps and needs {missing}; pass them, or pass "
+            "load_strategy to apply a strategy without searching"
+        )
+
+
+def run_search(model, device_ctx, make_context, kwargs, excluded, included, base, only_base) -> Strategy | None:
+    """Run the search with the options in ``kwargs``; print and save its report as asked."""
+    from atorch.auto.search.cost import parse_bytes
+    from atorch.auto.search.engine import SearchOptions, search
+
+    budget = parse_bytes(kwargs.get("memory_budget")) or device_ctx.memory_per_device
+    options = SearchOptions(
+        memory_budget=budget,
+        time_limit=kwargs.get("time_limit"),
+        warmup_steps=int(kwargs.get("dryrun_warmup_steps", 1)),
+        timed_steps=max(1, int(kwargs.get("dryrun_steps", 3))),
+        dryrun_timeout=float(kwargs.get("dryrun_timeout", 300.0)),
+        max_dryruns=int(kwargs.get("max_dryruns", 8)),
+        verbose=bool(kwargs.get("verbose", False)),
+    )
+    winner, report = search(model, device_ctx, make_context, apply_strategy, options, excluded, included, base,
+                            only=[base] if only_base else None)
+    if options.verbose:
+        logger.info("%s", report.table())
+    if kwargs.get("report_file") and env.rank() == 0:
+        report.save(kwargs["report_file"])
+    if winner is None:
+        logger.warning("the search found no strategy that runs: %s", report.note)
+    return winner
 
 
 def auto_accelerate(
@@ -56,8 +97,14 @@ def auto_accelerate(
     - ``prepare_input(data, device)`` defaults to moving tensors to this rank's device.
     - ``load_strategy``: a :class:`Strategy`, a list of names and ``(name, config)`` pairs, JSON
       text (str or bytes), or the path of a JSON/YAML strategy file.
-    - kwargs: ``verbose`` (print the strategy on rank 0), ``find_unused_parameters`` (DDP),
-      ``sampler_seed`` (shuffling seed, default 0), ``ignore_dryrun_on_load_strategy``.
+    - Without ``load_strategy`` the best strategy is searched for (docs/search.md);
+      ``finetune_strategy=True`` re-tunes a loaded strategy's configs;
+      ``ignore_dryrun_on_load_strategy=False`` dry-runs a loaded strategy before applying it.
+    - kwargs: ``verbose`` (print the strategy, and the search's progress and report, on rank 0),
+      ``find_unused_parameters`` (DDP), ``sampler_seed`` (shuffling seed, default 0),
+      ``ignore_dryrun_on_load_strategy``; for the search: ``memory_budget`` (bytes or "70GiB"),
+      ``time_limit`` (seconds), ``report_file``, ``max_dryruns``, ``dryrun_warmup_steps``,
+      ``dryrun_steps``, ``dryrun_timeout``.
 
     Example::
 
@@ -80,36 +127,9 @@ def auto_accelerate(
         raise TypeError(f"auto_accelerate got unknown keyword arguments {unknown}; known: {sorted(_KNOWN_KWARGS)}")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if load_strategy is None:
-        raise NotSupportedError(
-            "auto_accelerate needs load_strategy for now: the fully automatic search is not available yet. "
-            "Pass a strategy, e.g. load_strategy=['parallel_mode', 'amp_native']."
-        )
-    if finetune_strategy:
-        raise NotSupportedError(
-            "finetune_strategy=True needs the strategy search, which is not available yet; pass False to "
-            "apply load_strategy as given"
-        )
-    if not kwargs.get("ignore_dryrun_on_load_strategy", True):
-        raise NotSupportedError(
-            "ignore_dryrun_on_load_strategy=False asks for a dry run, which needs the strategy search (not "
-            "available yet); leave it at True"
-        )
     verbose = bool(kwargs.get("verbose", False))
-
     device_ctx = DeviceContext.detect()
-    requested = parse_strategy(load_strategy)
-    strategy, notes = plan_strategy(requested, device_ctx, excluded, included)
-    for note in notes:
-        logger.info(note)
-    for name, config in strategy.items():
-        resolve = get_method(name).resolve
-        if resolve is not None:
-            strategy = strategy.replace(name, resolve(model, config))
-
-    ctx = ModelContext(
-        model=model,
-        device_ctx=device_ctx,
+    job = dict(
         optim_func=optim_func,
         optim_args=dict(optim_args or {}),
         optim_param_func=optim_param_func,
@@ -124,6 +144,30 @@ def auto_accelerate(
         lr_scheduler_args=dict(lr_scheduler_args or {}),
         find_unused_parameters=bool(kwargs.get("find_unused_parameters", False)),
     )
+
+    def make_context(module: torch.nn.Module) -> ModelContext:
+        return ModelContext(model=module, device_ctx=device_ctx, **job)
+
+    dry_run_loaded = not kwargs.get("ignore_dryrun_on_load_strategy", True)
+    if load_strategy is None or finetune_strategy or dry_run_loaded:
+        _check_searchable(optim_func, dataset, loss_func)
+        base = None if load_strategy is None else plan_strategy(parse_strategy(load_strategy), device_ctx)[0]
+        requested = run_search(model, device_ctx, make_context, kwargs, excluded, included, base,
+                               only_base=dry_run_loaded and not finetune_strategy and base is not None)
+        if requested is None:
+            return False, None, None
+        excluded = included = None  # already honoured by the search
+    else:
+        requested = parse_strategy(load_strategy)
+    strategy, notes = plan_strategy(requested, device_ctx, excluded, included)
+    for note in notes:
+        logger.info(note)
+    for name, config in strategy.items():
+        resolve = get_method(name).resolve
+        if resolve is not None:
+            strategy = strategy.replace(name, resolve(model, config))
+
+    ctx = make_context(model)
     apply_strategy(ctx, strategy)
 
     if verbose:

@@ -71,8 +71,12 @@ class MethodSpec:
     skipped_when_absorbed: tuple[Stage, ...] = ()
     unsupported: Callable[[Any, MethodConfig], str | None] | None = None
     resolve: Callable[[Any, MethodConfig], MethodConfig] | None = None
-    # Candidate configs for the search engine; empty means "try the default config".
+    # Configs the search tries for this method; empty: the search leaves it out unless the user
+    # puts it in `included` (then its default config is tried).
     search_space: tuple[dict, ...] = field(default_factory=tuple)
+    # The method trades speed for memory (checkpointing, sharding): the search only tries it when
+    # the same candidate without it is estimated not to fit the memory budget.
+    memory_only: bool = False
 
 
 _REGISTRY: dict[str, MethodSpec] = {}

@@ -57,6 +57,6 @@ register_method(
         description="torch.autocast mixed precision (fp16 with loss scaling, or bf16)",
         overridden_by=("half",),
         unsupported=_unsupported,
-        search_space=({"dtype": "bfloat16"}, {"dtype": "float16"}),
+        search_space=({"dtype": "bfloat16"},),
     )
 )

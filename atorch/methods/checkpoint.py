@@ -82,5 +82,7 @@ register_method(
         hooks={Stage.MEMORY: apply_checkpoint},
         description="activation checkpointing: recompute chosen blocks in backward to save memory",
         resolve=resolve,
+        search_space=({},),
+        memory_only=True,
     )
 )

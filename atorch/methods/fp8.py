@@ -124,5 +124,6 @@ register_method(
         hooks={Stage.REWRITE: apply},
         description="fp8 matmuls through transformer-engine (sm 8.9+)",
         unsupported=_unsupported,
+        search_space=({},),
     )
 )

@@ -98,5 +98,7 @@ register_method(
         conflicts=("zero1", "zero2"),
         absorbs=("amp_native",),
         resolve=resolve,
+        search_space=({},),
+        memory_only=True,
     )
 )

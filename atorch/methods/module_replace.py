@@ -61,5 +61,6 @@ register_method(
         hooks={Stage.REWRITE: apply},
         description="swap modules for faster equivalents (SDPA attention, fused RMSNorm, user pairs)",
         resolve=resolve,
+        search_space=({},),
     )
 )

@@ -58,5 +58,7 @@ register_method(
         needs_data_parallel=True,
         conflicts=("zero2", "fsdp"),
         unsupported=_unsupported,
+        search_space=({},),
+        memory_only=True,
     )
 )

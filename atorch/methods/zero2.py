@@ -87,5 +87,7 @@ register_method(
         conflicts=("zero1", "fsdp"),
         absorbs=("amp_native",),
         unsupported=_unsupported,
+        search_space=({},),
+        memory_only=True,
     )
 )

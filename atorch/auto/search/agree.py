@@ -1,0 +1,37 @@
+"""Decisions every rank takes together, through collectives on the default process group."""
+
+import torch
+import torch.distributed as dist
+
+
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_ok(ok: bool) -> bool:
+    """True only when ``ok`` is true on every rank."""
+    if not _active():
+        return ok
+    flag = torch.tensor([1.0 if ok else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return flag.item() == 1.0
+
+
+def max_over_ranks(value: float | None) -> float | None:
+    """The largest value over ranks; None when any rank has None."""
+    if not _active():
+        return value
+    data = torch.tensor([float("nan") if value is None else float(value)], dtype=torch.float64)
+    dist.all_reduce(data, op=dist.ReduceOp.MAX)
+    missing = torch.tensor([1.0 if value is None else 0.0])
+    dist.all_reduce(missing, op=dist.ReduceOp.MAX)
+    return None if missing.item() else data.item()
+
+
+def from_rank0(obj):
+    """Rank 0's ``obj`` on every rank."""
+    if not _active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

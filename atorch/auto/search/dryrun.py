@@ -1,0 +1,114 @@
+"""Dry runs: a candidate applied to a fresh copy of the model and trained for a few steps on
+every rank, timed, and its peak memory tracked; failures are caught and agreed on."""
+
+import copy
+import gc
+import itertools
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from atorch.auto.context import ModelContext, run_model
+from atorch.auto.registry import get_method
+from atorch.auto.search.agree import all_ok, max_over_ranks
+from atorch.auto.strategy import Strategy
+from atorch.utils.log import logger
+
+
+def train_step(ctx: ModelContext, batch) -> torch.Tensor:
+    """One optimizer step the way a user's loop runs it with this context's result."""
+    batch = ctx.prepare_input(batch, ctx.device)
+    loss = ctx.loss_func(batch, run_model(ctx.model, batch, ctx.model_input_format))
+    loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+    if ctx.args["use_optim_backward"]:
+        ctx.optim.backward(loss)
+        ctx.optim.step()
+    else:
+        loss.backward()
+        ctx.optim.step()
+        ctx.optim.zero_grad()
+    return loss
+
+
+def _peak_bytes(ctx: ModelContext, step: Callable[[], None]) -> int | None:
+    """Peak tensor memory of one step on this rank, tracked by torch's MemTracker."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    optim = getattr(ctx.optim, "optimizer", ctx.optim)
+    tracker.track_external(ctx.model, *([optim] if isinstance(optim, torch.optim.Optimizer) else []))
+    with tracker:
+        step()
+    return int(sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values()))
+
+
+def _release(ctx: ModelContext | None) -> None:
+    if ctx is not None and ctx.topology.mesh is not None:
+        groups = set(ctx.topology.mesh.get_all_groups())
+        if ctx.topology.data_parallel_group is not None:
+            groups.add(ctx.topology.data_parallel_group)
+        for group in groups:
+            if group is not dist.GroupMember.WORLD:
+                dist.destroy_process_group(group)
+    gc.collect()
+
+
+def dry_run(
+    pristine: torch.nn.Module,
+    strategy: Strategy,
+    make_context: Callable[[torch.nn.Module], ModelContext],
+    apply: Callable[[ModelContext, Strategy], None],
+    warmup_steps: int,
+    timed_steps: int,
+    timeout_s: float,
+    global_batch: int,
+) -> dict:
+    """Measure ``strategy`` on every rank. Returns throughput (global samples/s), the peak bytes
+    over ranks, seconds, and the failure reason (None when it ran)."""
+    start = time.perf_counter()
+    ctx, error = None, None
+    try:
+        ctx = make_context(copy.deepcopy(pristine))
+        for name, config in strategy.items():
+            resolve = get_method(name).resolve
+            if resolve is not None:
+                strategy = strategy.replace(name, resolve(ctx.model, config))
+        apply(ctx, strategy)
+    except Exception as exc:  # noqa: BLE001 - any failure of a candidate is recorded, not raised
+        error = f"{type(exc).__name__}: {exc}"
+    if not all_ok(error is None):
+        _release(ctx)
+        return {"reason": error or "failed on another rank", "seconds": time.perf_counter() - start}
+
+    elapsed = peak = None
+    try:
+        batches = itertools.cycle(ctx.dataloader) if len(ctx.dataloader) else iter(())
+        for _ in range(warmup_steps):
+            train_step(ctx, next(batches))
+        t0 = time.perf_counter()
+        for _ in range(timed_steps):
+            train_step(ctx, next(batches))
+            # Every rank learns the slowest rank's time, so all stop together on a timeout.
+            elapsed = max_over_ranks(time.perf_counter() - t0)
+            if elapsed > timeout_s:
+                raise TimeoutError(f"dry run exceeded its timeout of {timeout_s:.0f}s")
+        try:
+            peak = _peak_bytes(ctx, lambda: train_step(ctx, next(batches)))
+        except Exception as exc:  # noqa: BLE001 - a tracker that cannot follow a backend is not fatal
+            logger.debug("memory tracking failed for %s: %s", strategy.opt_names, exc)
+    except Exception as exc:  # noqa: BLE001
+        error = f"{type(exc).__name__}: {exc}"
+    ok = all_ok(error is None)
+    peak = max_over_ranks(peak) if ok else None
+    _release(ctx)
+    del ctx
+    if not ok:
+        return {"reason": error or "failed on another rank", "seconds": time.perf_counter() - start}
+    return {
+        "reason": None,
+        "throughput": global_batch * timed_steps / elapsed,
+        "measured_peak_bytes": None if peak is None else int(peak),
+        "seconds": time.perf_counter() - start,
+    }
