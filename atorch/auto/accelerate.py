@@ -180,8 +180,13 @@ def auto_accelerate(
     return True, result, strategy
 
 
-def apply_strategy(ctx: ModelContext, strategy: Strategy) -> None:
-    """Run every method's stage hooks in stage order (the strategy's order within a stage)."""
+def apply_strategy(ctx: ModelContext, strategy: Strategy, stage_barrier: Callable[[bool], bool] | None = None) -> None:
+    """Run every method's stage hooks in stage order (the strategy's order within a stage).
+
+    ``stage_barrier(ok)`` (used by dry runs) is called after each stage on every rank and returns
+    whether every rank succeeded, so a failure on one rank stops all of them at the same stage
+    boundary instead of leaving the others waiting in the next stage's collectives.
+    """
     ctx.strategy = strategy
     absorbed = {other for name in strategy.opt_names for other in get_method(name).absorbs if other in strategy}
     hooks = sorted(
@@ -194,12 +199,22 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy) -> None:
     if not any(p.is_meta for p in ctx.model.parameters()):
         ctx.model.to(ctx.device)
     for stage in Stage:
-        if stage == Stage.OPTIMIZER:
-            ctx.build_optimizer()
-        if stage == Stage.DATA and ctx.dataset is not None:
-            ctx.build_dataloader()
-        for hook_stage, _, name, hook, config in hooks:
-            if hook_stage == stage:
-                hook(ctx, config)
-        if stage == Stage.OPTIMIZER:
-            ctx.build_lr_scheduler()
+        error = None
+        try:
+            if stage == Stage.OPTIMIZER:
+                ctx.build_optimizer()
+            if stage == Stage.DATA and ctx.dataset is not None:
+                ctx.build_dataloader()
+            for hook_stage, _, name, hook, config in hooks:
+                if hook_stage == stage:
+                    hook(ctx, config)
+            if stage == Stage.OPTIMIZER:
+                ctx.build_lr_scheduler()
+        except Exception as exc:
+            if stage_barrier is None:
+                raise
+            error = exc
+        if stage_barrier is not None and not stage_barrier(error is None):
+            if error is not None:
+                raise error
+            raise RuntimeError(f"another rank failed while applying stage {stage.name}")

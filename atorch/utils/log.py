@@ -4,6 +4,7 @@ Applications configure it like any logger (``logging.getLogger("atorch")``). Cal
 :func:`log_on_all_ranks` to see every rank's records, which helps when one rank misbehaves.
 """
 
+import contextlib
 import logging
 import os
 
@@ -32,6 +33,17 @@ def log_on_all_ranks(enabled: bool = True) -> None:
     """Let records from every rank through (prefixed with the rank), or only rank 0's again."""
     global _ALL_RANKS
     _ALL_RANKS = enabled
+
+
+@contextlib.contextmanager
+def quiet(level: int = logging.WARNING):
+    """Only records at ``level`` or above while inside (the search's trial applications)."""
+    previous = logger.level
+    logger.setLevel(max(level, previous))
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
 
 
 def _install_default_handler() -> None:

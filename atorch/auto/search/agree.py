@@ -35,3 +35,18 @@ def from_rank0(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+_ELSEWHERE = "another rank failed"
+
+
+def first_error(error: str | None) -> str:
+    """The first rank's own failure message (ranks that only stopped because of it say so)."""
+    errors = [error]
+    if _active():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    for rank, message in enumerate(errors):
+        if message is not None and _ELSEWHERE not in message:
+            return f"rank {rank}: {message}" if len(errors) > 1 else message
+    return "failed on another rank"

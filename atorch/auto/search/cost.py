@@ -1,8 +1,12 @@
 """The cost model: peak memory per rank of a candidate, estimated before anything runs.
 
-peak = parameters + gradients + optimizer state (each divided by the shards a method splits it
-over) + the largest FSDP unit gathered twice (the current one and the prefetched one)
-+ activations saved for backward. Activations are measured, not guessed: one forward of a copy
+peak = parameters + optimizer state + gathered weights + max(activations, gradients)
+
+Parameters, gradients and optimizer state are divided by the shards a method splits them over;
+gathered weights are the largest FSDP unit twice (the current one and the prefetched one), or
+autocast's low-precision weight copies. Activations and gradients share the last term because
+``zero_grad(set_to_none=True)`` frees gradients before forward, and backward frees activations
+about as fast as it creates gradients. Activations are measured, not guessed: one forward of a copy
 of the model, with the candidate's module rewrites and checkpointing applied, on one per-rank
 micro-batch, counting the bytes autograd saves (on the meta device when no real memory may be
 used). The formula's terms are kept apart so the report can show where the memory goes.
@@ -37,7 +41,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optim_state + self.gathered + self.activations
+        return self.params + self.optim_state + self.gathered + max(self.activations, self.grads)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -80,26 +84,38 @@ class _SavedBytes:
         return tensor
 
 
-def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, model_input_format, loss_func,
-                     device_ctx) -> int:
-    """Bytes saved for backward by one forward of a copy of ``model`` under the candidate's
-    module rewrites and checkpointing (parameters excluded: they are counted as parameters)."""
+def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, stages) -> tuple[int, int]:
+    """(bytes saved for backward, number of checkpointed modules) of one forward of a copy."""
     from atorch.auto.context import ModelContext, move_to_device
+    from atorch.methods.checkpoint import CheckpointedForward
 
     probe = copy.deepcopy(model)
     ctx = ModelContext(model=probe, device_ctx=device_ctx, loss_func=loss_func, prepare_input=move_to_device)
     for name, config in strategy.items():
         for stage, hook in get_method(name).hooks.items():
-            if stage in (Stage.REWRITE, Stage.MEMORY) and name not in ("fp8",):
+            if stage in stages and name != "fp8":
                 hook(ctx, config)
+    checkpointed = sum(isinstance(m.__dict__.get("forward"), CheckpointedForward) for m in probe.modules())
     batch = ctx.prepare_input(batch, device_ctx.device)
     counter = _SavedBytes()
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
         output = run_model(ctx.model, batch, model_input_format)
         if loss_func is not None:
             loss_func(batch, output)
-    del probe, ctx, output
-    return counter.bytes
+    return counter.bytes, checkpointed
+
+
+def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, model_input_format, loss_func,
+                     device_ctx) -> int:
+    """Bytes of activations alive at the peak: those saved by one forward of a copy of ``model``
+    under the candidate's module rewrites and checkpointing (parameters excluded), plus, with
+    checkpointing, one checkpointed block's activations recomputed during backward."""
+    saved, checkpointed = _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx,
+                                       (Stage.REWRITE, Stage.MEMORY))
+    if checkpointed:
+        full, _ = _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, (Stage.REWRITE,))
+        saved += max(full - saved, 0) // checkpointed
+    return saved
 
 
 def estimate_memory(model: torch.nn.Module, strategy: Strategy, dp_size: int, optim_state_factor: float,

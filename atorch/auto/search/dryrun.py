@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from atorch.auto.context import ModelContext, run_model
 from atorch.auto.registry import get_method
-from atorch.auto.search.agree import all_ok, max_over_ranks
+from atorch.auto.search.agree import all_ok, first_error, max_over_ranks
 from atorch.auto.strategy import Strategy
 from atorch.utils.log import logger
 
@@ -75,12 +75,17 @@ def dry_run(
             resolve = get_method(name).resolve
             if resolve is not None:
                 strategy = strategy.replace(name, resolve(ctx.model, config))
-        apply(ctx, strategy)
+        ok = all_ok(True)
     except Exception as exc:  # noqa: BLE001 - any failure of a candidate is recorded, not raised
-        error = f"{type(exc).__name__}: {exc}"
-    if not all_ok(error is None):
+        error, ok = f"{type(exc).__name__}: {exc}", all_ok(False)
+    if ok:
+        try:
+            apply(ctx, strategy, stage_barrier=all_ok)
+        except Exception as exc:  # noqa: BLE001
+            error = f"{type(exc).__name__}: {exc}"
+    if error is not None or not ok:
         _release(ctx)
-        return {"reason": error or "failed on another rank", "seconds": time.perf_counter() - start}
+        return {"reason": first_error(error), "seconds": time.perf_counter() - start}
 
     elapsed = peak = None
     try:
@@ -105,7 +110,7 @@ def dry_run(
     _release(ctx)
     del ctx
     if not ok:
-        return {"reason": error or "failed on another rank", "seconds": time.perf_counter() - start}
+        return {"reason": first_error(error), "seconds": time.perf_counter() - start}
     return {
         "reason": None,
         "throughput": global_batch * timed_steps / elapsed,

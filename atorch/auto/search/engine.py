@@ -16,7 +16,7 @@ from atorch.auto.search.report import FAILED, MEASURED, PRUNED, CandidateResult,
 from atorch.auto.search.space import candidate_space
 from atorch.auto.strategy import Strategy
 from atorch.errors import AtorchConfigError
-from atorch.utils.log import logger
+from atorch.utils.log import logger, quiet
 
 # Throughputs within this fraction of the best count as a tie, won by the simpler strategy.
 TIE_TOLERANCE = 0.03
@@ -75,7 +75,9 @@ def search(
     state_factor = cost.optimizer_state_factor(probe_ctx.optim_func, probe_ctx.optim_args)
 
     def probe(strategy: Strategy) -> int:
-        return cost.activation_bytes(model, strategy, micro, probe_ctx.model_input_format, probe_ctx.loss_func, device_ctx)
+        with quiet():
+            return cost.activation_bytes(model, strategy, micro, probe_ctx.model_input_format, probe_ctx.loss_func,
+                                         device_ctx)
 
     results: list[tuple[Strategy, CandidateResult]] = []
     for strategy in candidates:
@@ -90,7 +92,7 @@ def search(
 
     fits = {id(s) for s, r in results if r.reason is None}
     for strategy, result in results:
-        if result.reason is not None:
+        if result.reason is not None or only is not None:
             continue
         for name in strategy.opt_names:
             twin = strategy.without(name)
@@ -105,14 +107,18 @@ def search(
             r.reason = f"not dry-run: max_dryruns={options.max_dryruns} reached"
     last_seconds = 0.0
     for index, (strategy, result) in enumerate(to_run, 1):
-        elapsed = time.perf_counter() - start
-        go = options.time_limit is None or elapsed + last_seconds <= options.time_limit
-        if not from_rank0(go):
-            result.reason = f"not dry-run: time_limit of {options.time_limit:.0f}s would be exceeded"
+        # Rank 0's clock decides for everyone. A candidate starts only if one like the last fits
+        # in the time left, and its timed steps stop at the limit: time_limit is a promise.
+        remaining = None if options.time_limit is None else options.time_limit - (time.perf_counter() - start)
+        go = from_rank0(remaining is None or remaining >= last_seconds)
+        if not go:
+            result.reason = f"not dry-run: time_limit of {options.time_limit:g}s would be exceeded"
             continue
+        timeout = options.dryrun_timeout if remaining is None else min(options.dryrun_timeout, from_rank0(remaining))
         _say(options, f"search [{index}/{len(to_run)}] dry-running {' + '.join(strategy.opt_names) or '(plain)'}")
-        outcome = dry_run(model, strategy, make_context, apply, options.warmup_steps, options.timed_steps,
-                          options.dryrun_timeout, global_batch)
+        with quiet():
+            outcome = dry_run(model, strategy, make_context, apply, options.warmup_steps, options.timed_steps,
+                              timeout, global_batch)
         last_seconds = outcome["seconds"]
         result.seconds = outcome["seconds"]
         if outcome["reason"] is not None:
@@ -130,6 +136,11 @@ def search(
 
     report.candidates = [r for _, r in results]
     winner = _pick_winner(results)
+    if winner is None and options.time_limit is not None and results and not any(r.status == FAILED for _, r in results):
+        # Out of time before any measurement: the simplest candidate (plain data parallel) is
+        # the safe answer, and the report says it was not measured.
+        winner = results[0]
+        report.note = "time_limit reached before any candidate was measured: the simplest strategy is returned unmeasured"
     report.winner = None if winner is None else [r for _, r in results].index(winner[1])
     report.search_seconds = time.perf_counter() - start
     if winner is None:

@@ -57,7 +57,11 @@ class SearchReport:
     def table(self) -> str:
         """One row per candidate: status, throughput, estimated and measured memory, reason."""
         rows = [("", "strategy", "status", "samples/s", "est. peak", "meas. peak", "reason")]
-        for index, c in enumerate(self.candidates):
+        rank = {MEASURED: 0, FAILED: 1, PRUNED: 2}
+        order = sorted(range(len(self.candidates)),
+                       key=lambda i: (rank.get(self.candidates[i].status, 3), -(self.candidates[i].throughput or 0)))
+        for index in order:
+            c = self.candidates[index]
             rows.append((
                 "*" if index == self.winner else "",
                 " + ".join(c.names) or "(plain)",

@@ -1,0 +1,40 @@
+"""The fully automatic strategy search (see docs/search.md)."""
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from atorch.auto.search.engine import SearchOptions, search
+from atorch.auto.search.report import CandidateResult, SearchReport
+
+
+def measure(model: torch.nn.Module, strategies: Sequence[Any], optim_func, dataset, loss_func,
+            memory_budget: int | None = None, **job: Any) -> SearchReport:
+    """Estimate and dry-run each of ``strategies`` (no pruning, no search) and report them.
+
+    ``job`` takes auto_accelerate's training arguments (``optim_args``, ``dataloader_args``,
+    ``model_input_format``, ...) plus SearchOptions fields (``timed_steps``, ``warmup_steps``).
+    Benchmarks use it to set the cost model against measurements.
+    """
+    from atorch.auto.accelerate import apply_strategy
+    from atorch.auto.context import ModelContext, move_to_device
+    from atorch.auto.environment import DeviceContext
+    from atorch.auto.plan import plan_strategy
+    from atorch.auto.strategy import parse_strategy
+
+    device_ctx = DeviceContext.detect()
+    option_names = set(SearchOptions.__dataclass_fields__) - {"memory_budget"}
+    options = SearchOptions(memory_budget=memory_budget or 2**62, **{k: job.pop(k) for k in list(job) if k in option_names})
+    job.setdefault("prepare_input", move_to_device)
+
+    def make_context(module):
+        return ModelContext(model=module, device_ctx=device_ctx, optim_func=optim_func, dataset=dataset,
+                            loss_func=loss_func, **job)
+
+    planned = [plan_strategy(parse_strategy(s), device_ctx)[0] for s in strategies]
+    _, report = search(model, device_ctx, make_context, apply_strategy, options, only=planned)
+    return report
+
+
+__all__ = ["CandidateResult", "SearchOptions", "SearchReport", "measure", "search"]
