@@ -34,14 +34,20 @@ class SearchOptions:
 
 
 def _estimate(model, strategy, dp_size, state_factor, probe) -> tuple[cost.MemoryEstimate | None, str | None]:
+    """The estimate, or the config error that rules the candidate out. Any other failure leaves
+    the estimate unknown: the dry run will meet the failure and record it properly."""
     try:
         for name, config in strategy.items():
             resolve = get_method(name).resolve
             if resolve is not None:
                 strategy = strategy.replace(name, resolve(model, config))
-        return cost.estimate_memory(model, strategy, dp_size, state_factor, probe(strategy)), None
     except AtorchConfigError as error:
         return None, str(error)
+    try:
+        return cost.estimate_memory(model, strategy, dp_size, state_factor, probe(strategy)), None
+    except Exception as error:  # noqa: BLE001
+        logger.debug("no memory estimate for %s: %s", strategy.opt_names, error)
+        return None, None
 
 
 def _say(options: SearchOptions, message: str) -> None:
@@ -82,11 +88,13 @@ def search(
     results: list[tuple[Strategy, CandidateResult]] = []
     for strategy in candidates:
         estimate, reason = _estimate(model, strategy, dp_size, state_factor, probe)
-        result = CandidateResult(strategy.to_dict(), reason=reason)
-        if estimate is not None:
-            result.estimated_peak_bytes = int(max_over_ranks(estimate.total))
+        # Decisions use agreed values only, so every rank prunes and runs the same candidates.
+        result = CandidateResult(strategy.to_dict(), reason=from_rank0(reason))
+        total = max_over_ranks(None if estimate is None else estimate.total)
+        if total is not None:
+            result.estimated_peak_bytes = int(total)
             result.estimate_breakdown = estimate.as_dict()
-            if result.estimated_peak_bytes > options.memory_budget:
+            if result.reason is None and result.estimated_peak_bytes > options.memory_budget:
                 result.reason = "estimated peak memory is over the memory budget"
         results.append((strategy, result))
 

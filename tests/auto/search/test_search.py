@@ -1,0 +1,133 @@
+"""The fully automatic search on 2 gloo processes."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from atorch.auto.search.report import SearchReport
+from tests.helpers.dist import run_distributed
+
+FAST = {"dryrun_warmup_steps": 1, "dryrun_steps": 2}
+
+
+def search_and_train(tmp_report, steps=3, register_failing=None, **kwargs):
+    import atorch
+    from atorch.auto import auto_accelerate
+    from tests.helpers.models import TinyTransformer, TokenDataset, global_mean, lm_loss
+
+    if register_failing:
+        from tests.auto.search.failing_method import register
+
+        register(**register_failing)
+    torch.manual_seed(0)
+    status, result, strategy = auto_accelerate(
+        TinyTransformer(), torch.optim.AdamW, TokenDataset(), lm_loss, optim_args={"lr": 1e-2},
+        dataloader_args={"batch_size": 8}, model_input_format="unpack_dict", report_file=tmp_report, **kwargs,
+    )
+    if not status:
+        return {"status": False}
+    losses = []
+    batches = iter(result.dataloader)
+    for _ in range(steps):
+        batch = result.prepare_input(next(batches), atorch.device())
+        loss = result.loss_func(batch, result.model(**batch))
+        loss.backward()
+        result.optim.step()
+        result.optim.zero_grad()
+        losses.append(global_mean(loss))
+    return {"status": status, "strategy": strategy.opt_names, "losses": losses}
+
+
+def _report(path) -> SearchReport:
+    return SearchReport.load(path)
+
+
+def test_search_returns_a_working_strategy_and_a_report(tmp_path):
+    path = str(tmp_path / "report.json")
+    results = run_distributed(search_and_train, 2, path, **FAST)
+    assert results[0] == results[1]
+    assert results[0]["status"] and "parallel_mode" in results[0]["strategy"]
+    assert len(results[0]["losses"]) == 3 and all(math.isfinite(x) for x in results[0]["losses"])
+    report = _report(path)
+    measured = [c for c in report.candidates if c.status == "measured"]
+    assert len(measured) >= 2
+    assert all(c.throughput > 0 and c.estimated_peak_bytes > 0 for c in measured)
+    assert report.candidates[report.winner].names == results[0]["strategy"]
+    pruned = [c for c in report.candidates if c.status == "pruned"]
+    assert pruned and all(c.reason for c in pruned)
+    assert "measured" in report.table()
+    json.loads((tmp_path / "report.json").read_text())
+
+
+def test_the_same_model_trains_the_same_after_a_search(tmp_path):
+    """Dry runs work on copies: the result equals applying the winner directly."""
+    from tests.helpers.models import train_losses
+
+    path = str(tmp_path / "report.json")
+    searched = run_distributed(search_and_train, 2, path, steps=5, excluded=["amp_native", "module_replace"], **FAST)
+    assert searched[0]["strategy"] == ["parallel_mode"]
+    reference = train_losses([], optim=torch.optim.AdamW, lr=1e-2)
+    assert searched[0]["losses"] == pytest.approx(reference["losses"][:5], rel=1e-5)
+
+
+def test_excluded_methods_never_appear(tmp_path):
+    path = str(tmp_path / "report.json")
+    run_distributed(search_and_train, 2, path, excluded=["amp_native", "checkpoint"], **FAST)
+    for candidate in _report(path).candidates:
+        assert "amp_native" not in candidate.names and "checkpoint" not in candidate.names
+
+
+def test_time_limit_holds(tmp_path):
+    path = str(tmp_path / "report.json")
+    limit = 1.5
+    results = run_distributed(search_and_train, 2, path, time_limit=limit, dryrun_warmup_steps=1, dryrun_steps=40)
+    assert results[0]["status"]
+    report = _report(path)
+    assert report.search_seconds <= limit + 1.0, report.search_seconds
+    assert any("time_limit" in (c.reason or "") for c in report.candidates)
+
+
+def test_a_failing_candidate_is_recorded_and_the_search_goes_on(tmp_path):
+    path = str(tmp_path / "report.json")
+    results = run_distributed(search_and_train, 2, path, register_failing={"fail_on_rank": 1},
+                              excluded=["amp_native", "module_replace"], **FAST)
+    assert results[0]["status"] and "_explodes" not in results[0]["strategy"]
+    report = _report(path)
+    failed = [c for c in report.candidates if c.status == "failed"]
+    assert failed and all("_explodes" in c.names for c in failed)
+    assert "rank 1" in failed[0].reason and "boom" in failed[0].reason
+    assert any(c.status == "measured" for c in report.candidates)
+
+
+def test_a_budget_plain_ddp_cannot_meet_picks_a_sharded_strategy(tmp_path):
+    path = str(tmp_path / "report.json")
+    kwargs = dict(excluded=["amp_native", "module_replace", "checkpoint"], **FAST)
+    run_distributed(search_and_train, 2, path, **kwargs)
+    plain = next(c for c in _report(path).candidates if c.names == ["parallel_mode"])
+    budget = int(plain.estimated_peak_bytes * 0.9)
+    results = run_distributed(search_and_train, 2, path, memory_budget=budget, **kwargs)
+    assert results[0]["status"]
+    assert set(results[0]["strategy"]) & {"zero1", "zero2", "fsdp"}
+    report = _report(path)
+    plain = next(c for c in report.candidates if c.names == ["parallel_mode"])
+    assert plain.status == "pruned" and "memory budget" in plain.reason
+
+
+def test_search_needs_training_inputs():
+    from atorch.auto import auto_accelerate
+    from atorch.errors import NotSupportedError
+    from tests.helpers.models import TinyTransformer
+
+    with pytest.raises(NotSupportedError, match="optim_func"):
+        auto_accelerate(TinyTransformer())
+
+
+def test_finetune_keeps_the_loaded_methods(tmp_path):
+    path = str(tmp_path / "report.json")
+    out = search_and_train(path, load_strategy=[("amp_native", "fp16")], finetune_strategy=True, **FAST)
+    assert out["strategy"] == ["amp_native"]
+    report = _report(path)
+    assert {tuple(c.names) for c in report.candidates} == {("amp_native",)}
+    assert len(report.candidates) == 2  # the loaded fp16 and the search space's bf16
