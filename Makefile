@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine:
-#   make example   the main job: a short training run of a small Llama over 2 CPU processes (gloo)
+#   make example   the main job: a strategy search and a short training run of a small Llama over
+#                  2 CPU processes (gloo); prints the report, saves the winner to best_strategy.json
 #   make test      the test suite
 PYTHON ?= python3
 VENV := .venv
@@ -21,7 +22,7 @@ $(VENV)/.installed: setup.py $(BIN)/python
 setup: $(VENV)/.installed
 
 example: setup
-	$(BIN)/torchrun --nproc_per_node=2 examples/train_llama.py --strategy strategies/ddp_bf16_checkpoint.json
+	$(BIN)/torchrun --standalone --nproc_per_node=2 examples/train_llama.py --save-strategy best_strategy.json
 
 test: setup
 	$(BIN)/ruff check atorch tests examples benchmarks

@@ -17,6 +17,7 @@ setup(
         # torch.distributed.pipelining hangs a rank without numpy.
         "numpy",
     ],
+    entry_points={"console_scripts": ["atorch = atorch.cli.main:main"]},
     extras_require={
         "hf": ["transformers>=4.45"],
         "deepspeed": ["deepspeed>=0.14"],

@@ -1,9 +1,12 @@
 """Train a small Llama (built from a transformers config, nothing downloaded) with auto_accelerate.
 
+    # fully automatic: search, print the report, train with the winner, save it
+    torchrun --nproc_per_node=2 examples/train_llama.py --save-strategy best.json
+    # semi-automatic: apply a strategy file
     torchrun --nproc_per_node=2 examples/train_llama.py --strategy strategies/ddp_bf16_checkpoint.json
 
-Any strategy file (or none: --strategy "" uses plain data parallel) works unchanged on 1 or N
-processes; atorch fits it to the world size and logs what it adjusted.
+Any strategy file works unchanged on 1 or N processes; atorch fits it to the world size and logs
+what it adjusted.
 """
 
 import argparse
@@ -53,7 +56,9 @@ def loss_func(batch, output):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", default="strategies/ddp_bf16_checkpoint.json", help="strategy file; '' for DDP")
+    parser.add_argument("--strategy", default="auto", help="a strategy file, or 'auto' to search for the best one")
+    parser.add_argument("--memory-budget", default=None, help="per-rank memory for the search, e.g. 2GiB")
+    parser.add_argument("--report", default=None, help="write the search report here (JSON)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=32)
@@ -77,9 +82,13 @@ def main() -> None:
         optim_args={"lr": args.lr},
         dataloader_args={"batch_size": args.global_batch, "shuffle": True},
         model_input_format="unpack_dict",
-        load_strategy=args.strategy or ["parallel_mode"],
+        load_strategy=None if args.strategy == "auto" else args.strategy,
         save_strategy_to_file=args.save_strategy,
+        **({"verbose": True, "memory_budget": args.memory_budget, "report_file": args.report,
+            "dryrun_steps": 2} if args.strategy == "auto" else {}),
     )
+    if not status:
+        raise SystemExit("no strategy could be applied; see the report above")
     if atorch.rank() == 0:
         print(f"world size {atorch.world_size()}, applied {strategy}", flush=True)
 

@@ -14,6 +14,18 @@ def _env():
     return {k: v for k, v in os.environ.items() if k not in _NOT_OURS}
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory):
+    """Search results are cached under XDG_CACHE_HOME: keep the suite's out of the user's cache."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if before is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
+
+
 @pytest.fixture(autouse=True)
 def _hygiene():
     env_before = _env()

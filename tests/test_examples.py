@@ -1,4 +1,4 @@
-"""The README's main job, run the way users run it (torchrun, 2 gloo processes)."""
+"""The README's main job, run the way users run it (torchrun, gloo)."""
 
 import os
 import re
@@ -9,30 +9,43 @@ from pathlib import Path
 import pytest
 
 from atorch.auto import Strategy
+from atorch.auto.search.report import SearchReport
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
-def _run(args, tmp_path):
+def _run(args):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
+    return proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_llama_example(tmp_path, nproc):
+def _losses(out):
+    losses = [float(x) for x in re.findall(r"step +\d+ +loss (\d+\.\d+)", out)]
+    assert len(losses) >= 3 and losses[-1] < losses[0] - 0.3, out
+    return losses
+
+
+def test_main_job_searches_then_trains_on_2_processes(tmp_path):
+    pytest.importorskip("transformers")
+    saved, report = tmp_path / "best.json", tmp_path / "report.json"
+    out = _run(TORCHRUN + ["--nproc_per_node", "2", "examples/train_llama.py", "--steps", "12",
+                           "--save-strategy", str(saved), "--report", str(report)])
+    _losses(out)
+    assert "atorch search:" in out and "measured" in out
+    applied = Strategy.load(saved)
+    assert applied.opt_names[0] == "parallel_mode"
+    loaded = SearchReport.load(report)
+    assert loaded.candidates[loaded.winner].names == applied.opt_names
+
+
+def test_strategy_file_on_one_process(tmp_path):
     pytest.importorskip("transformers")
     saved = tmp_path / "applied.json"
-    out = _run(
-        TORCHRUN + ["--nproc_per_node", str(nproc), "--standalone", "examples/train_llama.py",
-                    "--steps", "12", "--save-strategy", str(saved)],
-        tmp_path,
-    )
-    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
-    assert len(losses) >= 3 and losses[-1] < losses[0] - 0.3, out
-    applied = Strategy.load(saved)
-    expected = ["parallel_mode", "amp_native", "checkpoint"] if nproc == 2 else ["amp_native", "checkpoint"]
-    assert applied.opt_names == expected
-    assert f"world size {nproc}" in out
+    out = _run(TORCHRUN + ["--nproc_per_node", "1", "examples/train_llama.py", "--steps", "12",
+                           "--strategy", "strategies/ddp_bf16_checkpoint.json", "--save-strategy", str(saved)])
+    _losses(out)
+    assert Strategy.load(saved).opt_names == ["amp_native", "checkpoint"]
+    assert "world size 1" in out

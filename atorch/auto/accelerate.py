@@ -23,7 +23,7 @@ _KNOWN_KWARGS = {
     "verbose", "find_unused_parameters", "sampler_seed", "ignore_dryrun_on_load_strategy",
     # the search (docs/search.md)
     "memory_budget", "time_limit", "report_file", "max_dryruns", "dryrun_warmup_steps", "dryrun_steps",
-    "dryrun_timeout",
+    "dryrun_timeout", "use_search_cache", "search_cache_dir",
 }
 
 
@@ -52,8 +52,28 @@ def run_search(model, device_ctx, make_context, kwargs, excluded, included, base
         max_dryruns=int(kwargs.get("max_dryruns", 8)),
         verbose=bool(kwargs.get("verbose", False)),
     )
+    from pathlib import Path
+
+    from atorch.auto.search import cache
+
+    key = directory = None
+    if kwargs.get("use_search_cache", True):
+        directory = Path(kwargs.get("search_cache_dir") or cache.default_dir())
+        extra = {"excluded": sorted(excluded or []), "included": sorted(included or []), "only": only_base,
+                 "base": None if base is None else base.to_dict(), "options": repr(options)}
+        key = cache.cache_key(model, make_context(model), device_ctx, budget, extra)
+        hit = cache.load(directory, key)
+        if hit is not None:
+            winner, report = hit
+            if options.verbose:
+                logger.info("%s", report.table())
+            if kwargs.get("report_file") and env.rank() == 0:
+                report.save(kwargs["report_file"])
+            return winner
     winner, report = search(model, device_ctx, make_context, apply_strategy, options, excluded, included, base,
                             only=[base] if only_base else None)
+    if key is not None and winner is not None:
+        cache.store(directory, key, winner, report)
     if options.verbose:
         logger.info("%s", report.table())
     if kwargs.get("report_file") and env.rank() == 0:
@@ -104,7 +124,8 @@ def auto_accelerate(
       ``find_unused_parameters`` (DDP), ``sampler_seed`` (shuffling seed, default 0),
       ``ignore_dryrun_on_load_strategy``; for the search: ``memory_budget`` (bytes or "70GiB"),
       ``time_limit`` (seconds), ``report_file``, ``max_dryruns``, ``dryrun_warmup_steps``,
-      ``dryrun_steps``, ``dryrun_timeout``.
+      ``dryrun_steps``, ``dryrun_timeout``, ``use_search_cache`` (default True: the same model,
+      data, optimizer, world and device reuse the last search's result), ``search_cache_dir``.
 
     Example::
 

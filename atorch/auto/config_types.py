@@ -62,8 +62,9 @@ def to_half_dtype(value: Any) -> torch.dtype:
 
 def bf16_unsupported(device_ctx: Any, dtype: torch.dtype) -> str | None:
     """Why this device cannot compute in ``dtype``, or None (for a method's ``unsupported``)."""
-    if device_ctx.device_type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        return "this GPU has no bfloat16 support"
+    capability = getattr(device_ctx, "capability", None)
+    if device_ctx.device_type == "cuda" and dtype == torch.bfloat16 and capability is not None and capability < (8, 0):
+        return f"bfloat16 needs compute capability 8.0 or newer; this GPU has {capability[0]}.{capability[1]}"
     return None
 
 

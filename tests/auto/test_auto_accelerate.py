@@ -92,13 +92,25 @@ def test_bad_input_is_refused_clearly(tmp_path):
         auto_accelerate("model", load_strategy=[])
 
 
-def test_features_that_need_the_search_say_so():
-    with pytest.raises(NotSupportedError, match="load_strategy"):
-        auto_accelerate(TinyTransformer())
-    with pytest.raises(NotSupportedError, match="finetune_strategy"):
-        auto_accelerate(TinyTransformer(), load_strategy=[], finetune_strategy=True)
-    with pytest.raises(NotSupportedError, match="dry run"):
-        auto_accelerate(TinyTransformer(), load_strategy=[], ignore_dryrun_on_load_strategy=False)
+def test_features_that_need_the_search_say_what_they_need():
+    for kwargs in ({}, {"load_strategy": [], "finetune_strategy": True},
+                   {"load_strategy": [], "ignore_dryrun_on_load_strategy": False}):
+        with pytest.raises(NotSupportedError, match="optim_func.*dataset.*loss_func.*load_strategy"):
+            auto_accelerate(TinyTransformer(), **kwargs)
+
+
+def test_a_loaded_strategy_can_be_dry_run_first(tmp_path):
+    from atorch.auto.search.report import SearchReport
+
+    path = tmp_path / "r.json"
+    status, result, strategy = auto_accelerate(
+        TinyTransformer(), torch.optim.SGD, TokenDataset(), lm_loss, optim_args={"lr": 0.1},
+        dataloader_args={"batch_size": 4}, model_input_format="unpack_dict", load_strategy=[("amp_native", "bf16")],
+        ignore_dryrun_on_load_strategy=False, report_file=str(path), dryrun_steps=1,
+    )
+    assert status and strategy.opt_names == ["amp_native"]
+    report = SearchReport.load(path)
+    assert [c.status for c in report.candidates] == ["measured"]
 
 
 def _indivisible_batch():

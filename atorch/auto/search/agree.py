@@ -28,6 +28,15 @@ def max_over_ranks(value: float | None) -> float | None:
     return None if missing.item() else data.item()
 
 
+def max_each(*values: float) -> list[float]:
+    """Element-wise maximum over ranks of a few numbers, in one collective."""
+    if not _active():
+        return list(values)
+    data = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(data, op=dist.ReduceOp.MAX)
+    return data.tolist()
+
+
 def from_rank0(obj):
     """Rank 0's ``obj`` on every rank."""
     if not _active():

@@ -96,7 +96,8 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
             if stage in stages and name != "fp8":
                 hook(ctx, config)
     checkpointed = sum(isinstance(m.__dict__.get("forward"), CheckpointedForward) for m in probe.modules())
-    batch = ctx.prepare_input(batch, device_ctx.device)
+    if not any(p.is_meta for p in probe.parameters()):  # a plan on the meta device keeps its meta inputs
+        batch = ctx.prepare_input(batch, device_ctx.device)
     counter = _SavedBytes()
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
         output = run_model(ctx.model, batch, model_input_format)

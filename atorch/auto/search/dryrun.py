@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from atorch.auto.context import ModelContext, run_model
 from atorch.auto.registry import get_method
-from atorch.auto.search.agree import all_ok, first_error, max_over_ranks
+from atorch.auto.search.agree import all_ok, first_error, max_each, max_over_ranks
 from atorch.auto.strategy import Strategy
 from atorch.utils.log import logger
 
@@ -64,9 +64,14 @@ def dry_run(
     timed_steps: int,
     timeout_s: float,
     global_batch: int,
+    stop_after_s: float | None = None,
 ) -> dict:
     """Measure ``strategy`` on every rank. Returns throughput (global samples/s), the peak bytes
-    over ranks, seconds, and the failure reason (None when it ran)."""
+    over ranks, seconds, and the failure reason (None when it ran).
+
+    Running past ``timeout_s`` is a failure; passing ``stop_after_s`` (the search's time left)
+    ends the timed steps early and measures the ones that ran. Every rank takes both decisions
+    on the slowest rank's clock."""
     start = time.perf_counter()
     ctx, error = None, None
     try:
@@ -88,6 +93,7 @@ def dry_run(
         return {"reason": first_error(error), "seconds": time.perf_counter() - start}
 
     elapsed = peak = None
+    done, late = 0, False
     try:
         batches = itertools.cycle(ctx.dataloader) if len(ctx.dataloader) else iter(())
         for _ in range(warmup_steps):
@@ -95,12 +101,18 @@ def dry_run(
         t0 = time.perf_counter()
         for _ in range(timed_steps):
             train_step(ctx, next(batches))
-            # Every rank learns the slowest rank's time, so all stop together on a timeout.
-            elapsed = max_over_ranks(time.perf_counter() - t0)
+            done += 1
+            # Every rank learns the slowest rank's times, so all stop together.
+            now = time.perf_counter()
+            elapsed, since_start = max_each(now - t0, now - start)
             if elapsed > timeout_s:
                 raise TimeoutError(f"dry run exceeded its timeout of {timeout_s:.0f}s")
+            late = stop_after_s is not None and since_start > stop_after_s
+            if late:
+                break  # the search's time_limit: measure the steps that ran
         try:
-            peak = _peak_bytes(ctx, lambda: train_step(ctx, next(batches)))
+            if not late:
+                peak = _peak_bytes(ctx, lambda: train_step(ctx, next(batches)))
         except Exception as exc:  # noqa: BLE001 - a tracker that cannot follow a backend is not fatal
             logger.debug("memory tracking failed for %s: %s", strategy.opt_names, exc)
     except Exception as exc:  # noqa: BLE001
@@ -113,7 +125,8 @@ def dry_run(
         return {"reason": first_error(error), "seconds": time.perf_counter() - start}
     return {
         "reason": None,
-        "throughput": global_batch * timed_steps / elapsed,
+        "throughput": global_batch * done / elapsed,
+        "timed_steps": done,
         "measured_peak_bytes": None if peak is None else int(peak),
         "seconds": time.perf_counter() - start,
     }

@@ -33,7 +33,7 @@ class SearchOptions:
     verbose: bool = False
 
 
-def _estimate(model, strategy, dp_size, state_factor, probe) -> tuple[cost.MemoryEstimate | None, str | None]:
+def estimate_candidate(model, strategy, dp_size, state_factor, probe) -> tuple[cost.MemoryEstimate | None, str | None]:
     """The estimate, or the config error that rules the candidate out. Any other failure leaves
     the estimate unknown: the dry run will meet the failure and record it properly."""
     try:
@@ -86,8 +86,15 @@ def search(
                                          device_ctx)
 
     results: list[tuple[Strategy, CandidateResult]] = []
+    def out_of_time() -> bool:
+        late = options.time_limit is not None and time.perf_counter() - start >= options.time_limit
+        return from_rank0(late)
+
     for strategy in candidates:
-        estimate, reason = _estimate(model, strategy, dp_size, state_factor, probe)
+        if results and out_of_time():
+            results.append((strategy, CandidateResult(strategy.to_dict(), reason="not estimated: time_limit reached")))
+            continue
+        estimate, reason = estimate_candidate(model, strategy, dp_size, state_factor, probe)
         # Decisions use agreed values only, so every rank prunes and runs the same candidates.
         result = CandidateResult(strategy.to_dict(), reason=from_rank0(reason))
         total = max_over_ranks(None if estimate is None else estimate.total)
@@ -122,17 +129,19 @@ def search(
         if not go:
             result.reason = f"not dry-run: time_limit of {options.time_limit:g}s would be exceeded"
             continue
-        timeout = options.dryrun_timeout if remaining is None else min(options.dryrun_timeout, from_rank0(remaining))
+        stop_after = None if remaining is None else from_rank0(remaining)
         _say(options, f"search [{index}/{len(to_run)}] dry-running {' + '.join(strategy.opt_names) or '(plain)'}")
         with quiet():
             outcome = dry_run(model, strategy, make_context, apply, options.warmup_steps, options.timed_steps,
-                              timeout, global_batch)
+                              options.dryrun_timeout, global_batch, stop_after_s=stop_after)
         last_seconds = outcome["seconds"]
         result.seconds = outcome["seconds"]
         if outcome["reason"] is not None:
             result.status, result.reason = FAILED, outcome["reason"]
             continue
         result.throughput = outcome["throughput"]
+        if outcome["timed_steps"] < options.timed_steps:
+            result.reason = f"time_limit: measured over {outcome['timed_steps']} of {options.timed_steps} steps"
         result.measured_peak_bytes = outcome["measured_peak_bytes"]
         if result.measured_peak_bytes is not None and result.measured_peak_bytes > options.memory_budget:
             result.status, result.reason = FAILED, "measured peak memory is over the memory budget"
@@ -144,7 +153,7 @@ def search(
 
     report.candidates = [r for _, r in results]
     winner = _pick_winner(results)
-    if winner is None and options.time_limit is not None and results and not any(r.status == FAILED for _, r in results):
+    if winner is None and options.time_limit is not None and results and results[0][1].status != FAILED:
         # Out of time before any measurement: the simplest candidate (plain data parallel) is
         # the safe answer, and the report says it was not measured.
         winner = results[0]

@@ -131,3 +131,15 @@ def test_finetune_keeps_the_loaded_methods(tmp_path):
     report = _report(path)
     assert {tuple(c.names) for c in report.candidates} == {("amp_native",)}
     assert len(report.candidates) == 2  # the loaded fp16 and the search space's bf16
+
+
+def test_a_second_search_reuses_the_cache(tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    first, second, fresh = (str(tmp_path / f"r{i}.json") for i in range(3))
+    kwargs = dict(excluded=["module_replace", "checkpoint"], search_cache_dir=cache_dir, **FAST)
+    a = run_distributed(search_and_train, 2, first, **kwargs)
+    b = run_distributed(search_and_train, 2, second, **kwargs)
+    assert a[0]["strategy"] == b[0]["strategy"] and a[0]["losses"] == b[0]["losses"]
+    assert "from the search cache" in (_report(second).note or "")
+    run_distributed(search_and_train, 2, fresh, use_search_cache=False, **kwargs)
+    assert "cache" not in (_report(fresh).note or "")

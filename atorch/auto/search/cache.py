@@ -1,0 +1,76 @@
+"""Search results remembered per (model, data, optimizer, world, device, budget, options).
+
+Stored as JSON under ``$XDG_CACHE_HOME/atorch/search`` (``~/.cache/atorch/search``), or the
+``search_cache_dir`` given to auto_accelerate. Rank 0 reads and writes; the others receive the
+result through a broadcast.
+"""
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import atorch
+from atorch.auto.registry import method_names
+from atorch.auto.search.agree import from_rank0
+from atorch.auto.search.report import SearchReport
+from atorch.auto.strategy import Strategy
+from atorch.distributed import env
+
+
+def default_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "atorch" / "search"
+
+
+def _name(obj: Any) -> str:
+    return getattr(obj, "__qualname__", None) or type(obj).__qualname__
+
+
+def cache_key(model: torch.nn.Module, ctx: Any, device_ctx: Any, budget: int, extra: dict) -> str:
+    """A digest of everything that changes the answer (and nothing that does not, like weights)."""
+    description = {
+        "atorch": atorch.__version__,
+        "torch": torch.__version__,
+        "methods": method_names(),
+        "model": repr(model),
+        "params": [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()],
+        "optim": [_name(ctx.optim_func), repr(sorted(ctx.optim_args.items()))],
+        "loss": _name(ctx.loss_func),
+        "data": [_name(ctx.dataset), len(ctx.dataset) if hasattr(ctx.dataset, "__len__") else None,
+                 repr(sorted(ctx.dataloader_args.items()))],
+        "world": [device_ctx.world_size, device_ctx.device.type, device_ctx.capability],
+        "budget": budget,
+        **extra,
+    }
+    return hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def load(directory: Path, key: str) -> tuple[Strategy, SearchReport] | None:
+    """The cached winner and report on every rank, or None on every rank."""
+    payload = None
+    if env.rank() == 0:
+        path = directory / f"{key}.json"
+        if path.is_file():
+            try:
+                payload = json.loads(path.read_text())
+            except ValueError:
+                payload = None
+    payload = from_rank0(payload)
+    if payload is None:
+        return None
+    report = SearchReport.from_dict(payload["report"])
+    report.note = ((report.note or "") + " (from the search cache; pass use_search_cache=False to search again)").strip()
+    return Strategy.from_data(payload["strategy"]), report
+
+
+def store(directory: Path, key: str, strategy: Strategy, report: SearchReport) -> None:
+    if env.rank() != 0:
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f"{key}.json.tmp"
+    tmp.write_text(json.dumps({"strategy": strategy.to_dict(), "report": report.to_dict()}))
+    os.replace(tmp, directory / f"{key}.json")

@@ -1,0 +1,1 @@
+"""The ``atorch`` command."""
