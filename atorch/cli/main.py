@@ -67,7 +67,6 @@ def cmd_plan(args) -> int:
     memory = cost.parse_bytes(args.memory)
     device_ctx = _device_ctx(args.world_size, args.device, memory)
     model = _build_model(args)
-    vocab = getattr(getattr(model, "config", None), "vocab_size", 32000)
     if args.batch_size % args.world_size:
         raise ValueError(f"--batch-size {args.batch_size} does not divide over {args.world_size} ranks")
     micro = args.batch_size // args.world_size

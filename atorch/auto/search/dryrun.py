@@ -120,7 +120,7 @@ def dry_run(
     ok = all_ok(error is None)
     peak = max_over_ranks(peak) if ok else None
     _release(ctx)
-    del ctx
+    ctx = None
     if not ok:
         return {"reason": first_error(error), "seconds": time.perf_counter() - start}
     return {
