@@ -1,12 +1,13 @@
 """The cost model: peak memory per rank of a candidate, estimated before anything runs.
 
-peak = parameters + optimizer state + gathered weights + max(activations, gradients)
+peak = parameters + optimizer state + gathered weights + max(activations, gradients + step temporaries)
 
 Parameters, gradients and optimizer state are divided by the shards a method splits them over;
 gathered weights are the largest FSDP unit twice (the current one and the prefetched one), or
 autocast's low-precision weight copies. Activations and gradients share the last term because
 ``zero_grad(set_to_none=True)`` frees gradients before forward, and backward frees activations
-about as fast as it creates gradients. Activations are measured, not guessed: one forward of a copy
+about as fast as it creates gradients; at the optimizer step the gradients are joined by the
+step's temporaries (the foreach implementations build one intermediate per parameter shard). Activations are measured, not guessed: one forward of a copy
 of the model, with the candidate's module rewrites and checkpointing applied, on one per-rank
 micro-batch, counting the bytes autograd saves (on the meta device when no real memory may be
 used). The formula's terms are kept apart so the report can show where the memory goes.
@@ -38,10 +39,11 @@ class MemoryEstimate:
     optim_state: int
     gathered: int
     activations: int
+    step_temp: int = 0
 
     @property
     def total(self) -> int:
-        return self.params + self.optim_state + self.gathered + max(self.activations, self.grads)
+        return self.params + self.optim_state + self.gathered + max(self.activations, self.grads + self.step_temp)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -129,6 +131,7 @@ def estimate_memory(model: torch.nn.Module, strategy: Strategy, dp_size: int, op
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) * scale
     grads = trainable
     optim_state = trainable * optim_state_factor
+    step_temp = trainable
     gathered = 0
     for method, (shard_params, shard_grads, shard_optim) in _SHARD_RULES.items():
         if method in names:
@@ -141,11 +144,12 @@ def estimate_memory(model: torch.nn.Module, strategy: Strategy, dp_size: int, op
                 grads /= dp_size
             if shard_optim:
                 optim_state /= dp_size
+                step_temp /= dp_size
     if "amp_native" in names and not any(m in names for m in ("zero2", "fsdp")):
         # autocast keeps a low-precision copy of each weight it casts during forward
         gathered += sum(p.numel() * 2 for p in model.parameters())
     return MemoryEstimate(math.ceil(param_bytes), math.ceil(grads), math.ceil(optim_state), math.ceil(gathered),
-                          int(activations))
+                          int(activations), math.ceil(step_temp))
 
 
 def parse_bytes(value: Any) -> int | None:

@@ -1,0 +1,50 @@
+"""The cost model against measurements, and its pieces."""
+
+import pytest
+import torch
+
+from atorch.auto import Strategy
+from atorch.auto.search.cost import estimate_memory, optimizer_state_factor, parse_bytes
+from tests.helpers.dist import run_distributed
+
+
+def test_optimizer_state_factor():
+    assert optimizer_state_factor(torch.optim.AdamW, {"lr": 1e-3}) == pytest.approx(2.0)
+    assert optimizer_state_factor(torch.optim.SGD, {"lr": 0.1}) == 0.0
+    assert optimizer_state_factor(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}) == pytest.approx(1.0)
+
+
+def test_parse_bytes():
+    assert parse_bytes("70GiB") == 70 * 2**30 and parse_bytes("512MB") == 512 * 10**6
+    assert parse_bytes(1024) == 1024 and parse_bytes(None) is None
+    with pytest.raises(ValueError, match="70GiB"):
+        parse_bytes("lots")
+
+
+def test_sharding_divides_what_it_shards():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    plain = estimate_memory(model, Strategy(), 4, 2.0, 0)
+    fsdp = estimate_memory(model, Strategy([("fsdp", {"atorch_wrap_cls": ["Linear"]})]), 4, 2.0, 0)
+    zero1 = estimate_memory(model, Strategy(["zero1"]), 4, 2.0, 0)
+    assert zero1.params == plain.params and zero1.optim_state == plain.optim_state / 4
+    assert fsdp.params == pytest.approx(plain.params / 4, abs=1) and fsdp.grads == pytest.approx(plain.grads / 4, abs=1)
+    assert fsdp.gathered == 2 * (64 * 64 + 64) * 4
+
+
+def _ratios():
+    from atorch.auto.search import measure
+    from tests.helpers.models import TinyTransformer, TokenDataset, lm_loss
+
+    torch.manual_seed(0)
+    strategies = [[], [("amp_native", "bf16")], ["checkpoint"], ["zero1"], ["zero2"], ["fsdp"]]
+    report = measure(TinyTransformer(), strategies, torch.optim.AdamW, TokenDataset(), lm_loss,
+                     optim_args={"lr": 1e-3}, dataloader_args={"batch_size": 8}, model_input_format="unpack_dict",
+                     timed_steps=1)
+    return {" + ".join(c.names): c.estimated_peak_bytes / c.measured_peak_bytes for c in report.candidates}
+
+
+def test_estimates_are_close_to_measured_peaks_on_2_ranks():
+    ratios = run_distributed(_ratios, 2)[0]
+    assert len(ratios) == 6
+    # The benchmark (benchmarks/cost_model.py) tracks the 10% goal; the test catches regressions.
+    assert all(0.8 <= r <= 1.25 for r in ratios.values()), ratios
