@@ -12,7 +12,6 @@ from atorch.auto.plan import plan_strategy
 from atorch.auto.registry import Stage, get_method
 from atorch.auto.strategy import Strategy, parse_strategy
 from atorch.distributed import env
-from atorch.errors import NotSupportedError
 from atorch.utils.log import logger
 
 AutoAccelerateResult = collections.namedtuple(
@@ -25,62 +24,6 @@ _KNOWN_KWARGS = {
     "memory_budget", "time_limit", "report_file", "max_dryruns", "dryrun_warmup_steps", "dryrun_steps",
     "dryrun_timeout", "use_search_cache", "search_cache_dir",
 }
-
-
-def _check_searchable(optim_func, dataset, loss_func) -> None:
-    missing = [name for name, value in (("optim_func", optim_func), ("dataset", dataset), ("loss_func", loss_func))
-               if value is None]
-    if missing:
-        raise NotSupportedError(
-            f"the strategy search dry-runs training steps and needs {missing}; pass them, or pass "
-            "load_strategy to apply a strategy without searching"
-        )
-
-
-def run_search(model, device_ctx, make_context, kwargs, excluded, included, base, only_base) -> Strategy | None:
-    """Run the search with the options in ``kwargs``; print and save its report as asked."""
-    from atorch.auto.search.cost import parse_bytes
-    from atorch.auto.search.engine import SearchOptions, search
-
-    budget = parse_bytes(kwargs.get("memory_budget")) or device_ctx.memory_per_device
-    options = SearchOptions(
-        memory_budget=budget,
-        time_limit=kwargs.get("time_limit"),
-        warmup_steps=int(kwargs.get("dryrun_warmup_steps", 1)),
-        timed_steps=max(1, int(kwargs.get("dryrun_steps", 3))),
-        dryrun_timeout=float(kwargs.get("dryrun_timeout", 300.0)),
-        max_dryruns=int(kwargs.get("max_dryruns", 8)),
-        verbose=bool(kwargs.get("verbose", False)),
-    )
-    from pathlib import Path
-
-    from atorch.auto.search import cache
-
-    key = directory = None
-    if kwargs.get("use_search_cache", True):
-        directory = Path(kwargs.get("search_cache_dir") or cache.default_dir())
-        extra = {"excluded": sorted(excluded or []), "included": sorted(included or []), "only": only_base,
-                 "base": None if base is None else base.to_dict(), "options": repr(options)}
-        key = cache.cache_key(model, make_context(model), device_ctx, budget, extra)
-        hit = cache.load(directory, key)
-        if hit is not None:
-            winner, report = hit
-            if options.verbose:
-                logger.info("%s", report.table())
-            if kwargs.get("report_file") and env.rank() == 0:
-                report.save(kwargs["report_file"])
-            return winner
-    winner, report = search(model, device_ctx, make_context, apply_strategy, options, excluded, included, base,
-                            only=[base] if only_base else None)
-    if key is not None and winner is not None:
-        cache.store(directory, key, winner, report)
-    if options.verbose:
-        logger.info("%s", report.table())
-    if kwargs.get("report_file") and env.rank() == 0:
-        report.save(kwargs["report_file"])
-    if winner is None:
-        logger.warning("the search found no strategy that runs: %s", report.note)
-    return winner
 
 
 def auto_accelerate(
@@ -171,9 +114,11 @@ def auto_accelerate(
 
     dry_run_loaded = not kwargs.get("ignore_dryrun_on_load_strategy", True)
     if load_strategy is None or finetune_strategy or dry_run_loaded:
-        _check_searchable(optim_func, dataset, loss_func)
+        from atorch.auto.search.run import check_searchable, run_search
+
+        check_searchable(optim_func, dataset, loss_func)
         base = None if load_strategy is None else plan_strategy(parse_strategy(load_strategy), device_ctx)[0]
-        requested = run_search(model, device_ctx, make_context, kwargs, excluded, included, base,
+        requested = run_search(model, device_ctx, make_context, apply_strategy, kwargs, excluded, included, base,
                                only_base=dry_run_loaded and not finetune_strategy and base is not None)
         if requested is None:
             return False, None, None

@@ -77,8 +77,8 @@ def cmd_plan(args) -> int:
     # Module rewrites run as on the CPU (autocast leaves meta tensors in fp32, so amp's activations
     # are counted at full precision: a pessimistic figure).
     meta_ctx = _device_ctx(args.world_size, "cpu", memory)
-    def probe(strategy):
-        return cost.activation_bytes(model, strategy, batch, "unpack_dict", None, meta_ctx)
+    def probe(strategy, flops):
+        return cost.activation_bytes(model, strategy, batch, "unpack_dict", None, meta_ctx, flops)
 
     for strategy in candidate_space(device_ctx, excluded=args.exclude):
         with quiet():

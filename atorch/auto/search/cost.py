@@ -40,6 +40,7 @@ class MemoryEstimate:
     gathered: int
     activations: int
     step_temp: int = 0
+    forward_flops: float = 0.0
 
     @property
     def total(self) -> int:
@@ -86,8 +87,12 @@ class _SavedBytes:
         return tensor
 
 
-def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, stages) -> tuple[int, int]:
-    """(bytes saved for backward, number of checkpointed modules) of one forward of a copy."""
+def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, stages,
+                 flops: list | None = None) -> tuple[int, int]:
+    """(bytes saved for backward, number of checkpointed modules) of one forward of a copy;
+    the forward's FLOPs are appended to ``flops`` when given."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     from atorch.auto.context import ModelContext, move_to_device
     from atorch.methods.checkpoint import CheckpointedForward
 
@@ -101,20 +106,24 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
     if not any(p.is_meta for p in probe.parameters()):  # a plan on the meta device keeps its meta inputs
         batch = ctx.prepare_input(batch, device_ctx.device)
     counter = _SavedBytes()
-    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+    flop_counter = FlopCounterMode(display=False)
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), flop_counter:
         output = run_model(ctx.model, batch, model_input_format)
         if loss_func is not None:
             loss_func(batch, output)
+    if flops is not None:
+        flops.append(flop_counter.get_total_flops())
     return counter.bytes, checkpointed
 
 
 def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, model_input_format, loss_func,
-                     device_ctx) -> int:
+                     device_ctx, flops: list | None = None) -> int:
     """Bytes of activations alive at the peak: those saved by one forward of a copy of ``model``
     under the candidate's module rewrites and checkpointing (parameters excluded), plus, with
-    checkpointing, one checkpointed block's activations recomputed during backward."""
+    checkpointing, one checkpointed block's activations recomputed during backward. The
+    forward's FLOPs are appended to ``flops`` when given."""
     saved, checkpointed = _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx,
-                                       (Stage.REWRITE, Stage.MEMORY))
+                                       (Stage.REWRITE, Stage.MEMORY), flops)
     if checkpointed:
         full, _ = _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, (Stage.REWRITE,))
         saved += max(full - saved, 0) // checkpointed
@@ -150,6 +159,36 @@ def estimate_memory(model: torch.nn.Module, strategy: Strategy, dp_size: int, op
         gathered += sum(p.numel() * 2 for p in model.parameters())
     return MemoryEstimate(math.ceil(param_bytes), math.ceil(grads), math.ceil(optim_state), math.ceil(gathered),
                           int(activations), math.ceil(step_temp))
+
+
+# Rough rates, used only to order candidates (dry runs measure the real thing): sustained matmul
+# FLOP/s by device and compute dtype, and collective bandwidth in bytes/s by device.
+_FLOPS = {"cuda": {"fp32": 4e13, "half": 3e14}, "cpu": {"fp32": 5e10, "half": 2.5e10}}
+_BANDWIDTH = {"cuda": 5e10, "cpu": 1e9}
+
+
+def estimate_step_seconds(model: torch.nn.Module, strategy: Strategy, dp_size: int, forward_flops: float,
+                          device_type: str) -> float:
+    """A rough step time: forward + 2x backward FLOPs (+1 forward recomputed under checkpointing)
+    over the device's rate, plus the bytes the data-parallel collectives move over its bandwidth.
+    Good enough to rank candidates and to order dry runs, not to predict seconds."""
+    names = strategy.opt_names
+    flops = forward_flops * (4 if "checkpoint" in names else 3)
+    rates = _FLOPS.get(device_type, _FLOPS["cpu"])
+    half = "half" in names or "amp_native" in names
+    compute = flops / rates["half" if half else "fp32"]
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    spread = (dp_size - 1) / dp_size if dp_size > 1 else 0.0
+    if "fsdp" in names:
+        moved = 2 * param_bytes + grad_bytes  # all-gather in forward and backward, reduce-scatter
+    elif "zero2" in names:
+        moved = param_bytes + grad_bytes  # reduce-scatter gradients, all-gather updated parameters
+    elif "zero1" in names:
+        moved = 2 * grad_bytes + param_bytes  # all-reduce gradients, broadcast updated parameters
+    else:
+        moved = 2 * grad_bytes  # all-reduce
+    return compute + moved * spread / _BANDWIDTH.get(device_type, _BANDWIDTH["cpu"])
 
 
 def parse_bytes(value: Any) -> int | None:

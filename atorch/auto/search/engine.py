@@ -35,7 +35,8 @@ class SearchOptions:
 
 def estimate_candidate(model, strategy, dp_size, state_factor, probe) -> tuple[cost.MemoryEstimate | None, str | None]:
     """The estimate, or the config error that rules the candidate out. Any other failure leaves
-    the estimate unknown: the dry run will meet the failure and record it properly."""
+    the estimate unknown: the dry run will meet the failure and record it properly.
+    ``probe(strategy, flops)`` returns activation bytes and appends the forward's FLOPs."""
     try:
         for name, config in strategy.items():
             resolve = get_method(name).resolve
@@ -44,7 +45,10 @@ def estimate_candidate(model, strategy, dp_size, state_factor, probe) -> tuple[c
     except AtorchConfigError as error:
         return None, str(error)
     try:
-        return cost.estimate_memory(model, strategy, dp_size, state_factor, probe(strategy)), None
+        flops: list = []
+        estimate = cost.estimate_memory(model, strategy, dp_size, state_factor, probe(strategy, flops))
+        estimate.forward_flops = flops[0] if flops else 0
+        return estimate, None
     except Exception as error:  # noqa: BLE001
         logger.debug("no memory estimate for %s: %s", strategy.opt_names, error)
         return None, None
@@ -80,10 +84,10 @@ def search(
     micro = _first_micro_batch(probe_ctx, dp_size)
     state_factor = cost.optimizer_state_factor(probe_ctx.optim_func, probe_ctx.optim_args)
 
-    def probe(strategy: Strategy) -> int:
+    def probe(strategy: Strategy, flops: list) -> int:
         with quiet():
             return cost.activation_bytes(model, strategy, micro, probe_ctx.model_input_format, probe_ctx.loss_func,
-                                         device_ctx)
+                                         device_ctx, flops)
 
     results: list[tuple[Strategy, CandidateResult]] = []
     def out_of_time() -> bool:
@@ -101,6 +105,8 @@ def search(
         if total is not None:
             result.estimated_peak_bytes = int(total)
             result.estimate_breakdown = estimate.as_dict()
+            step = cost.estimate_step_seconds(model, strategy, dp_size, estimate.forward_flops, device_ctx.device.type)
+            result.estimated_step_seconds = max_over_ranks(step)
             if result.reason is None and result.estimated_peak_bytes > options.memory_budget:
                 result.reason = "estimated peak memory is over the memory budget"
         results.append((strategy, result))
@@ -116,7 +122,11 @@ def search(
                 result.reason = f"{name} only saves memory, and the same strategy without it fits the budget"
                 break
 
-    to_run = [(s, r) for s, r in results if r.reason is None][: options.max_dryruns]
+    # Dry runs go in order of estimated step time (fastest first, the simpler on a tie), so a
+    # time_limit cuts the least promising candidates.
+    runnable = [(s, r) for s, r in results if r.reason is None]
+    runnable.sort(key=lambda item: (round(item[1].estimated_step_seconds or 0.0, 9), len(item[0])))
+    to_run = runnable[: options.max_dryruns]
     for s, r in results:
         if r.reason is None and (s, r) not in to_run:
             r.reason = f"not dry-run: max_dryruns={options.max_dryruns} reached"
@@ -130,7 +140,8 @@ def search(
             result.reason = f"not dry-run: time_limit of {options.time_limit:g}s would be exceeded"
             continue
         stop_after = None if remaining is None else from_rank0(remaining)
-        _say(options, f"search [{index}/{len(to_run)}] dry-running {' + '.join(strategy.opt_names) or '(plain)'}")
+        bar = "#" * index + "-" * (len(to_run) - index)
+        _say(options, f"search [{bar}] {index}/{len(to_run)}: dry-running {' + '.join(strategy.opt_names) or '(plain)'}")
         with quiet():
             outcome = dry_run(model, strategy, make_context, apply, options.warmup_steps, options.timed_steps,
                               options.dryrun_timeout, global_batch, stop_after_s=stop_after)

@@ -15,6 +15,7 @@ class CandidateResult:
     status: str = PRUNED
     estimated_peak_bytes: int | None = None
     estimate_breakdown: dict | None = None
+    estimated_step_seconds: float | None = None
     measured_peak_bytes: int | None = None
     throughput: float | None = None  # global samples per second
     seconds: float | None = None
@@ -56,7 +57,7 @@ class SearchReport:
 
     def table(self) -> str:
         """One row per candidate: status, throughput, estimated and measured memory, reason."""
-        rows = [("", "strategy", "status", "samples/s", "est. peak", "meas. peak", "reason")]
+        rows = [("", "strategy", "status", "samples/s", "est. step", "est. peak", "meas. peak", "reason")]
         rank = {MEASURED: 0, FAILED: 1, PRUNED: 2}
         order = sorted(range(len(self.candidates)),
                        key=lambda i: (rank.get(self.candidates[i].status, 3), -(self.candidates[i].throughput or 0)))
@@ -67,6 +68,7 @@ class SearchReport:
                 " + ".join(c.names) or "(plain)",
                 c.status,
                 f"{c.throughput:.1f}" if c.throughput else "-",
+                f"{c.estimated_step_seconds * 1e3:.2f}ms" if c.estimated_step_seconds else "-",
                 _size(c.estimated_peak_bytes),
                 _size(c.measured_peak_bytes),
                 (c.reason or "")[:70],
