@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import Field, model_validator
 from torch.nn.parallel import DistributedDataParallel
 
+from atorch import parallel_state
 from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
 from atorch.auto.registry import MethodSpec, Stage, register_method
@@ -40,6 +41,8 @@ class ParallelModeConfig(MethodConfig):
 def build_topology(ctx: ModelContext, config: ParallelModeConfig) -> None:
     # plan_strategy has already fitted the dims to the world size.
     ctx.topology = Topology.build(config.dims, config.rank_order, ctx.device.type)
+    # The user-facing parallel_state getters read this topology; atorch's internals use ctx.topology.
+    parallel_state.set_topology(ctx.topology)
 
 
 def wrap_ddp(ctx: ModelContext, config: ParallelModeConfig) -> None:

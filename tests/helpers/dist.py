@@ -1,5 +1,6 @@
 """Run a function on N real processes over gloo and collect each rank's return value."""
 
+import io
 import os
 import socket
 import traceback
@@ -35,7 +36,11 @@ def _worker(rank, world_size, port, fn, args, kwargs, queue):
         atorch.init_distributed(backend="gloo")
         result = fn(*args, **kwargs)
         dist.barrier()  # leave together (see examples/train_llama.py)
-        queue.put((rank, True, result))
+        # As bytes: tensors sent through a multiprocessing queue live in this process's shared
+        # memory, which is gone once it exits.
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, True, buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent test
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -72,4 +77,6 @@ def run_distributed(fn, world_size: int = 2, *args, timeout_s: float = DEFAULT_T
                 proc.join()
     if failures:
         raise AssertionError("distributed run failed:\n" + "\n".join(f"rank {r}:\n{tb}" for r, tb in failures.items()))
-    return [results[r] for r in range(world_size)]
+    import torch
+
+    return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world_size)]
