@@ -67,14 +67,20 @@ def plan_strategy(
             strategy = strategy.replace("parallel_mode", {"dims": dims, "rank_order": config.rank_order})
         _check_dims_used(strategy, dims)
 
+    dims = dict(strategy.get("parallel_mode").dims) if "parallel_mode" in strategy else {}
     dp_size = 1
-    for name, size in (strategy.get("parallel_mode").dims if "parallel_mode" in strategy else []):
+    for name, size in dims.items():
         if name in DATA_PARALLEL_DIMS:
             dp_size *= size
     for name, _ in strategy.items():
-        if get_method(name).needs_data_parallel and dp_size == 1:
+        spec = get_method(name)
+        missing = [dim for dim in spec.needs_dims if dims.get(dim, 1) <= 1]
+        if spec.needs_data_parallel and dp_size == 1:
             strategy = strategy.without(name)
             notes.append(f"{name}: dropped because it shards over data-parallel ranks and there is only one")
+        elif missing:
+            strategy = strategy.without(name)
+            notes.append(f"{name}: dropped because parallel_mode has no {missing[0]!r} dim larger than 1")
 
     for name, _ in strategy.items():
         spec = get_method(name)

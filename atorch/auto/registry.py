@@ -64,6 +64,8 @@ class MethodSpec:
     uses_dims: tuple[str, ...] = ()
     # Dropped (with a note) unless the data-parallel size (data x zero dims) is larger than 1.
     needs_data_parallel: bool = False
+    # Dropped (with a note) unless each of these parallel dims is larger than 1.
+    needs_dims: tuple[str, ...] = ()
     # Methods whose work this one takes over when both are present (fsdp applies amp_native's
     # dtype as FSDP mixed precision); the absorbed method's ``skipped_when_absorbed`` stages do
     # not run, and the absorbing method reads its config from ``ctx.strategy``.

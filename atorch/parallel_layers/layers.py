@@ -155,6 +155,8 @@ class ParallelEmbedding(nn.Module):
         self.world, rank = _size_rank(self.group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.shard_across_embedding = shard_across_embedding
+        # The row that gets no gradient, as in nn.Embedding (set when built from one).
+        self.padding_idx: int | None = None
         full = torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device)
         init_method(full)
         if shard_across_embedding:
@@ -167,9 +169,11 @@ class ParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.shard_across_embedding:
-            return gather_from_region(F.embedding(ids, self.weight), self.group)
+            return gather_from_region(F.embedding(ids, self.weight, padding_idx=self.padding_idx), self.group)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
-        local = F.embedding((ids - self.vocab_start).masked_fill(outside, 0), self.weight)
+        pad = self.padding_idx
+        local_pad = pad - self.vocab_start if pad is not None and self.vocab_start <= pad < self.vocab_end else None
+        local = F.embedding((ids - self.vocab_start).masked_fill(outside, 0), self.weight, padding_idx=local_pad)
         local = local.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_region(local, self.group)
 
@@ -186,3 +190,44 @@ def allreduce_sequence_parallel_grads(model: nn.Module, group) -> None:
     for param in model.parameters():
         if getattr(param, "sequence_parallel", False) and param.grad is not None:
             dist.all_reduce(param.grad, group=group)
+
+
+def _take(param: torch.Tensor, dim: int, group) -> torch.Tensor:
+    world, rank = _size_rank(group)
+    return param.detach().chunk(world, dim=dim)[rank].clone()
+
+
+def column_from_linear(linear: nn.Linear, group, gather_output: bool = False,
+                       sequence_parallel_enabled: bool = False) -> ColumnParallelLinear:
+    """A ColumnParallelLinear holding this rank's rows of an existing ``nn.Linear``."""
+    layer = ColumnParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                 gather_output=gather_output, sequence_parallel_enabled=sequence_parallel_enabled,
+                                 dtype=linear.weight.dtype, device="meta", group=group)
+    layer.weight = _mark(nn.Parameter(_take(linear.weight, 0, group), linear.weight.requires_grad), 0)
+    if linear.bias is not None:
+        layer.bias = _mark(nn.Parameter(_take(linear.bias, 0, group), linear.bias.requires_grad), 0)
+    return layer
+
+
+def row_from_linear(linear: nn.Linear, group, input_is_parallel: bool = True,
+                    sequence_parallel_enabled: bool = False) -> RowParallelLinear:
+    """A RowParallelLinear holding this rank's columns of an existing ``nn.Linear``."""
+    layer = RowParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                              input_is_parallel=input_is_parallel, sequence_parallel_enabled=sequence_parallel_enabled,
+                              dtype=linear.weight.dtype, device="meta", group=group)
+    layer.weight = _mark(nn.Parameter(_take(linear.weight, 1, group), linear.weight.requires_grad), 1)
+    if linear.bias is not None:
+        layer.bias = nn.Parameter(linear.bias.detach().clone(), linear.bias.requires_grad)
+        layer.bias.sequence_parallel = sequence_parallel_enabled
+    return layer
+
+
+def embedding_from(embedding: nn.Embedding, group) -> ParallelEmbedding:
+    """A ParallelEmbedding holding this rank's rows of an existing ``nn.Embedding``."""
+    if embedding.max_norm is not None:
+        raise ValueError("an nn.Embedding with max_norm cannot be split over ranks (its renormalization is per row)")
+    layer = ParallelEmbedding(embedding.num_embeddings, embedding.embedding_dim, init_method=lambda t: t,
+                              dtype=embedding.weight.dtype, device="meta", group=group)
+    layer.weight = _mark(nn.Parameter(_take(embedding.weight, 0, group), embedding.weight.requires_grad), 0)
+    layer.padding_idx = embedding.padding_idx
+    return layer

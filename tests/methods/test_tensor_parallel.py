@@ -1,0 +1,80 @@
+"""tensor_parallel on real models against the single-process run."""
+
+import pytest
+import torch
+
+from atorch.auto import Strategy
+from tests.helpers.compare import FP32_RTOL, assert_losses_close, assert_ranks_agree
+from tests.helpers.dist import run_distributed
+from tests.helpers.models import train_losses
+
+TP2 = [("parallel_mode", ([("tensor", 2), ("data", 1)], None)), "tensor_parallel"]
+
+
+def test_plain_mlp_blocks_tp2_match_single_process():
+    reference = train_losses([], optim=torch.optim.AdamW, lr=1e-2)
+    results = run_distributed(train_losses, 2, TP2, optim=torch.optim.AdamW, lr=1e-2)
+    assert_ranks_agree(results)
+    assert_losses_close(results[0]["losses"], reference["losses"], FP32_RTOL)
+    # each rank holds half of every MLP matrix and of the embedding
+    assert results[0]["param_numel"] < reference["param_numel"]
+    assert Strategy.from_json(results[0]["strategy"]).opt_names == ["parallel_mode", "tensor_parallel"]
+
+
+def _llama_param_kinds():
+    from atorch.auto import auto_accelerate
+    from tests.helpers.hf import tiny_llama
+
+    _, result, _ = auto_accelerate(tiny_llama(), load_strategy=TP2)
+    return sorted({type(m).__name__ for m in result.model.modules() if "Parallel" in type(m).__name__})
+
+
+def test_llama_layers_are_replaced():
+    pytest.importorskip("transformers")
+    kinds = run_distributed(_llama_param_kinds, 2)[0]
+    assert kinds == ["ColumnParallelLinear", "ParallelEmbedding", "RowParallelLinear"]
+
+
+def test_llama_tp2_matches_single_process():
+    pytest.importorskip("transformers")
+    from tests.helpers.hf import train_hf
+
+    reference = train_hf([])
+    results = run_distributed(train_hf, 2, TP2)
+    assert_ranks_agree(results)
+    assert_losses_close(results[0]["losses"], reference["losses"], FP32_RTOL)
+
+
+def test_llama_tp2_with_fsdp_over_data2_on_4_ranks():
+    pytest.importorskip("transformers")
+    from tests.helpers.hf import train_hf
+
+    reference = train_hf([])
+    strategy = [("parallel_mode", ([("tensor", 2), ("data", 2)], None)), "tensor_parallel", "fsdp"]
+    results = run_distributed(train_hf, 4, strategy)
+    assert_ranks_agree(results)
+    assert_losses_close(results[0]["losses"], reference["losses"], FP32_RTOL)
+
+
+def _unshardable():
+    from atorch.auto import auto_accelerate
+    from atorch.errors import MethodConfigError
+
+    model = torch.nn.Sequential(torch.nn.Conv1d(4, 4, 3))
+    with pytest.raises(MethodConfigError, match="found nothing it can split in Sequential"):
+        auto_accelerate(model, load_strategy=TP2)
+    return "raised"
+
+
+def test_models_it_cannot_split_get_an_error():
+    assert run_distributed(_unshardable, 2) == ["raised", "raised"]
+
+
+def test_dropped_without_a_tensor_dim():
+    from atorch.auto.environment import DeviceContext
+    from atorch.auto.plan import plan_strategy
+
+    strategy, notes = plan_strategy(Strategy(["parallel_mode", "tensor_parallel"]),
+                                    DeviceContext(2, 2, torch.device("cpu"), None, 2**30))
+    assert strategy.opt_names == ["parallel_mode"]
+    assert any("no 'tensor' dim" in n for n in notes)
