@@ -1,9 +1,10 @@
 """tensor_parallel: split an already built model's layers over the ``tensor`` dim (Megatron style).
 
 Config forms: ``"tensor_parallel"`` with ``("parallel_mode", ([("tensor", 2), ("data", N)], None))``.
-Attention and MLP projections become column- then row-parallel layers, the embedding and
-output head are split by vocabulary (see atorch/parallel_layers/auto_shard.py for what is
-recognized); the math stays that of the serial model. Composes with DDP and fsdp over the data dim.
+Attention and MLP projections (Llama-style, BERT, GPT-2, plain MLP blocks) become column- then
+row-parallel layers, the embedding and output head are split by vocabulary (see
+atorch/parallel_layers/auto_shard.py for what is recognized); the math stays that of the serial
+model. Composes with DDP and fsdp over the data dim.
 """
 
 from typing import Literal

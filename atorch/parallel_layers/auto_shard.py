@@ -5,6 +5,10 @@ Recognized structures (by what a module holds, not by class name):
   q, k, v column-parallel (each rank keeps whole heads), o row-parallel;
 - gated MLPs with ``gate_proj``/``up_proj``/``down_proj``: gate and up column, down row;
 - plain MLPs, an ``nn.Sequential`` of Linear, element-wise activations, Linear: column then row;
+- BERT: ``self.query/key/value`` column and ``output.dense`` row in attention, ``intermediate.dense``
+  column and ``output.dense`` row in the MLP;
+- GPT-2: the fused ``c_attn`` Conv1D split per q/k/v (each rank keeps whole heads of each), its
+  ``c_proj`` row; ``c_fc`` column and ``c_proj`` row in the MLP;
 - the input embedding (vocab rows split) and the output head (column-parallel, gathered), unless
   they share one weight.
 """
@@ -24,8 +28,37 @@ class ShardingError(ValueError):
 
 
 def _children(module: nn.Module, names: Iterable[str]) -> list[nn.Linear] | None:
-    found = [getattr(module, name, None) for name in names]
+    """The Linears at these (dotted) paths under ``module``, or None if any is missing."""
+    found = []
+    for name in names:
+        child = module
+        for part in name.split("."):
+            child = getattr(child, part, None) if isinstance(child, nn.Module) else None
+        found.append(child)
     return found if all(type(m) is nn.Linear for m in found) else None
+
+
+def _is_conv1d(module) -> bool:
+    # transformers' Conv1D: a Linear with its weight stored (in, out)
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and module.weight.ndim == 2
+
+
+def _linear_from_conv1d(conv: nn.Module, row_order: torch.Tensor | None = None) -> nn.Linear:
+    weight = conv.weight.detach().t()
+    bias = conv.bias.detach()
+    if row_order is not None:
+        weight, bias = weight[row_order], bias[row_order]
+    linear = nn.Linear(weight.shape[1], weight.shape[0], device="meta")
+    linear.weight = nn.Parameter(weight.clone(), conv.weight.requires_grad)
+    linear.bias = nn.Parameter(bias.clone(), conv.bias.requires_grad)
+    return linear
+
+
+def _qkv_rows(out_features: int, tp: int) -> torch.Tensor:
+    """Row order of a fused [q; k; v] weight so that contiguous chunk r holds q_r, k_r, v_r."""
+    part = out_features // 3
+    rows = torch.arange(out_features).reshape(3, tp, part // tp)  # (q/k/v, rank, rows)
+    return rows.transpose(0, 1).reshape(-1)
 
 
 def _check_divides(name: str, features: int, tp: int, head_dim: int | None = None) -> None:
@@ -52,6 +85,27 @@ def plan_shards(model: nn.Module, tp: int) -> list[tuple[str, str]]:
                                head_dim)
                 plan.append((prefix + child, how))
             continue
+        bert_attention = _children(module, ("self.query", "self.key", "self.value", "output.dense"))
+        if bert_attention:
+            head_dim = getattr(getattr(module, "self"), "attention_head_size", None)
+            for child in ("self.query", "self.key", "self.value"):
+                _check_divides(prefix + child, bert_attention[0].out_features, tp, head_dim)
+                plan.append((prefix + child, "column"))
+            plan.append((prefix + "output.dense", "row"))
+            continue
+        bert_mlp = _children(module, ("intermediate.dense", "output.dense"))
+        if bert_mlp and not any(n.startswith(prefix + "output.") for n, _ in plan):
+            _check_divides(prefix + "intermediate.dense", bert_mlp[0].out_features, tp)
+            plan += [(prefix + "intermediate.dense", "column"), (prefix + "output.dense", "row")]
+        if _is_conv1d(getattr(module, "c_attn", None)) and _is_conv1d(getattr(module, "c_proj", None)):
+            embed = module.c_attn.nf // 3
+            _check_divides(prefix + "c_attn", embed, tp, getattr(module, "head_dim", None))
+            plan += [(prefix + "c_attn", "column_conv1d_qkv"), (prefix + "c_proj", "row_conv1d")]
+            continue
+        if _is_conv1d(getattr(module, "c_fc", None)) and _is_conv1d(getattr(module, "c_proj", None)):
+            _check_divides(prefix + "c_fc", module.c_fc.nf, tp)
+            plan += [(prefix + "c_fc", "column_conv1d"), (prefix + "c_proj", "row_conv1d")]
+            continue
         gated = _children(module, ("gate_proj", "up_proj", "down_proj"))
         if gated:
             _check_divides(prefix + "up_proj", gated[1].out_features, tp)
@@ -77,7 +131,7 @@ def plan_shards(model: nn.Module, tp: int) -> list[tuple[str, str]]:
 def shard_model(model: nn.Module, group, tp: int) -> list[tuple[str, str]]:
     """Replace the planned modules in place with this rank's shards; return the plan."""
     plan = plan_shards(model, tp)
-    if not any(how in ("column", "row") for _, how in plan):
+    if not any(how.startswith(("column", "row")) and how != "column_gather" for _, how in plan):
         raise ShardingError(
             f"tensor_parallel found nothing it can split in {type(model).__name__}: it knows attention with "
             "q_proj/k_proj/v_proj/o_proj, MLPs with gate_proj/up_proj/down_proj, and nn.Sequential(Linear, "
@@ -89,10 +143,20 @@ def shard_model(model: nn.Module, group, tp: int) -> list[tuple[str, str]]:
         "column_gather": lambda m: column_from_linear(m, group, gather_output=True),
         "row": lambda m: row_from_linear(m, group, input_is_parallel=True),
         "embedding": lambda m: embedding_from(m, group),
+        "column_conv1d": lambda m: column_from_linear(_linear_from_conv1d(m), group),
+        "column_conv1d_qkv": lambda m: column_from_linear(_linear_from_conv1d(m, _qkv_rows(m.nf, tp)), group),
+        "row_conv1d": lambda m: row_from_linear(_linear_from_conv1d(m), group, input_is_parallel=True),
     }
     for name, how in plan:
         parent_name, _, child = name.rpartition(".")
         parent = modules[parent_name] if parent_name else model
         with torch.no_grad():
             setattr(parent, child, build[how](modules[name]))
+        if how == "column_conv1d_qkv":
+            # GPT-2 splits the fused output by split_size and infers heads from it: both per rank now.
+            parent.split_size //= tp
+            if hasattr(parent, "num_heads"):
+                parent.num_heads //= tp
+            if hasattr(parent, "embed_dim"):
+                parent.embed_dim //= tp
     return plan

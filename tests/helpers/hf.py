@@ -74,3 +74,45 @@ def train_hf(load_strategy, steps: int = 5, lora: bool = False, lr: float = 1e-2
         "trainable_numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "param_numel": local_numel(model.parameters()),
     }
+
+
+def tiny_gpt2(seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def tiny_bert(seed: int = 0):
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    return BertForMaskedLM(config)
+
+
+BUILDERS = {"llama": lambda: tiny_llama(), "gpt2": tiny_gpt2, "bert": tiny_bert}
+
+
+def train_family(family: str, load_strategy, steps: int = 5, lr: float = 1e-2) -> dict:
+    """Train one of the tiny transformers families through auto_accelerate; global losses."""
+    model = BUILDERS[family]()
+    _, result, strategy = auto_accelerate(
+        model, torch.optim.AdamW, CountingTokens(), lambda batch, out: out.loss, optim_args={"lr": lr},
+        dataloader_args={"batch_size": 8}, model_input_format="unpack_dict", load_strategy=load_strategy,
+    )
+    losses = []
+    batches = iter(result.dataloader)
+    for _ in range(steps):
+        batch = result.prepare_input(next(batches), atorch.device())
+        loss = result.loss_func(batch, result.model(**batch))
+        loss.backward()
+        result.optim.step()
+        result.optim.zero_grad()
+        losses.append(global_mean(loss))
+    kinds = sorted({type(m).__name__ for m in result.model.modules() if "Parallel" in type(m).__name__})
+    return {"losses": losses, "strategy": strategy.to_json(), "parallel_modules": kinds}

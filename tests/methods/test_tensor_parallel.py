@@ -78,3 +78,15 @@ def test_dropped_without_a_tensor_dim():
                                     DeviceContext(2, 2, torch.device("cpu"), None, 2**30))
     assert strategy.opt_names == ["parallel_mode"]
     assert any("no 'tensor' dim" in n for n in notes)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_gpt2_and_bert_tp2_match_single_process(family):
+    pytest.importorskip("transformers")
+    from tests.helpers.hf import train_family
+
+    reference = train_family(family, [])
+    results = run_distributed(train_family, 2, family, TP2)
+    assert_ranks_agree(results)
+    assert {"ColumnParallelLinear", "RowParallelLinear"} <= set(results[0]["parallel_modules"])
+    assert_losses_close(results[0]["losses"], reference["losses"], FP32_RTOL)
