@@ -16,6 +16,7 @@ from atorch.parallel_layers.mappings import (
     scatter_to_region,
     scatter_to_sequence,
 )
+from atorch.parallel_layers.padding import get_number_of_extra_heads, move_model_to_device, pad_model
 
 __all__ = [
     "ColumnParallelLinear",
@@ -25,6 +26,9 @@ __all__ = [
     "copy_to_region",
     "gather_from_region",
     "gather_from_sequence",
+    "get_number_of_extra_heads",
+    "move_model_to_device",
+    "pad_model",
     "parallel_cross_entropy",
     "reduce_from_region",
     "reduce_scatter_to_sequence",
