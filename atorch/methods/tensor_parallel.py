@@ -25,12 +25,14 @@ class TensorParallelConfig(MethodConfig):
 
 def shard(ctx: ModelContext, config: TensorParallelConfig) -> None:
     tp = ctx.topology.size("tensor")
+    sequence_parallel = ctx.strategy is not None and "sequence_parallel" in ctx.strategy
     try:
-        plan = shard_model(ctx.model, ctx.topology.group("tensor"), tp)
+        plan = shard_model(ctx.model, ctx.topology.group("tensor"), tp, sequence_parallel=sequence_parallel)
     except ShardingError as error:
         raise MethodConfigError(f"tensor_parallel: {error}") from None
     kinds = {how: sum(1 for _, h in plan if h == how) for _, how in plan}
-    logger.info("tensor_parallel: split over %d ranks: %s", tp, ", ".join(f"{n} {k}" for k, n in kinds.items()))
+    logger.info("tensor_parallel: split over %d ranks%s: %s", tp, " with sequence parallelism" if sequence_parallel else "",
+                ", ".join(f"{n} {k}" for k, n in kinds.items()))
 
 
 register_method(
@@ -41,6 +43,24 @@ register_method(
         description="Megatron-style tensor parallelism of attention, MLP, embedding and head",
         distributed_only=True,
         uses_dims=("tensor",),
+        needs_dims=("tensor",),
+    )
+)
+
+
+class SequenceParallelConfig(MethodConfig):
+    pass
+
+
+register_method(
+    MethodSpec(
+        name="sequence_parallel",
+        config_cls=SequenceParallelConfig,
+        # tensor_parallel applies it while it splits the layers (it reads the strategy).
+        hooks={},
+        description="Megatron sequence parallelism: norms and residuals on sequence chunks (with tensor_parallel)",
+        distributed_only=True,
+        requires=("tensor_parallel",),
         needs_dims=("tensor",),
     )
 )

@@ -18,7 +18,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from atorch.parallel_layers.layers import column_from_linear, embedding_from, row_from_linear
+from atorch.parallel_layers.layers import ColumnParallelLinear, column_from_linear, embedding_from, row_from_linear
+from atorch.utils.modules import find_block_classes
 
 _ELEMENTWISE = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.Dropout, nn.LeakyReLU, nn.Mish)
 
@@ -128,9 +129,64 @@ def plan_shards(model: nn.Module, tp: int) -> list[tuple[str, str]]:
     return plan
 
 
-def shard_model(model: nn.Module, group, tp: int) -> list[tuple[str, str]]:
-    """Replace the planned modules in place with this rank's shards; return the plan."""
+_SEQUENCE_PARALLEL_KINDS = {"column", "row", "embedding", "column_gather"}
+
+
+class _SequenceInput:
+    """Replaces a module's forward so its hidden-states input (first argument, or
+    ``hidden_states`` / ``x``) is split on the sequence dim first (``scatter``: entering the
+    sequence-parallel region) or all-gathered (an attention or MLP block, which then computes
+    its shapes from the whole sequence as it was written to)."""
+
+    def __init__(self, forward, group, scatter: bool):
+        self.forward, self.group, self.scatter = forward, group, scatter
+
+    def __call__(self, *args, **kwargs):
+        from atorch.parallel_layers.mappings import gather_from_sequence, scatter_to_sequence
+
+        move = scatter_to_sequence if self.scatter else gather_from_sequence
+        if args:
+            args = (move(args[0], self.group), *args[1:])
+        else:
+            key = "hidden_states" if "hidden_states" in kwargs else "x"
+            kwargs[key] = move(kwargs[key], self.group)
+        return self.forward(*args, **kwargs)
+
+
+def _sequence_parallel_grads(model: nn.Module, group) -> int:
+    """Replicated parameters run on sequence chunks under sequence parallelism (the norms): each
+    rank's gradient covers its own tokens, so they are summed over the group as they arrive."""
+    import torch.distributed as dist
+
+    count = 0
+    for param in model.parameters():
+        if getattr(param, "tensor_model_parallel", False) or not param.requires_grad:
+            continue
+        param.sequence_parallel = True
+        param.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(p.grad, group=group))
+        count += 1
+    return count
+
+
+def shard_model(model: nn.Module, group, tp: int, sequence_parallel: bool = False) -> list[tuple[str, str]]:
+    """Replace the planned modules in place with this rank's shards; return the plan.
+
+    With ``sequence_parallel`` (Megatron's), the activations between a row-parallel output and
+    the next column-parallel input (norms, residual adds) stay split on the sequence dim; this
+    needs a model whose embedding feeds the blocks directly and whose head reads the last norm
+    (the Llama family).
+    """
     plan = plan_shards(model, tp)
+    if sequence_parallel:
+        other = sorted({how for _, how in plan} - _SEQUENCE_PARALLEL_KINDS)
+        has_head = any(how == "column_gather" for _, how in plan)
+        blocks = find_block_classes(model)
+        if other or not has_head or not blocks:
+            raise ShardingError(
+                "sequence_parallel supports Llama-style models (q/k/v/o_proj attention, repeated decoder blocks, "
+                f"an untied output head); {type(model).__name__} has "
+                f"{other or ('no splittable output head' if not has_head else 'no repeated blocks')}"
+            )
     if not any(how.startswith(("column", "row")) and how != "column_gather" for _, how in plan):
         raise ShardingError(
             f"tensor_parallel found nothing it can split in {type(model).__name__}: it knows attention with "
@@ -138,10 +194,11 @@ def shard_model(model: nn.Module, group, tp: int) -> list[tuple[str, str]]:
             "activation, Linear) blocks"
         )
     modules = dict(model.named_modules())
+    sp = sequence_parallel
     build = {
         "column": lambda m: column_from_linear(m, group),
-        "column_gather": lambda m: column_from_linear(m, group, gather_output=True),
-        "row": lambda m: row_from_linear(m, group, input_is_parallel=True),
+        "column_gather": lambda m: column_from_linear(m, group, gather_output=True, sequence_parallel_enabled=sp),
+        "row": lambda m: row_from_linear(m, group, input_is_parallel=True, sequence_parallel_enabled=sp),
         "embedding": lambda m: embedding_from(m, group),
         "column_conv1d": lambda m: column_from_linear(_linear_from_conv1d(m), group),
         "column_conv1d_qkv": lambda m: column_from_linear(_linear_from_conv1d(m, _qkv_rows(m.nf, tp)), group),
@@ -159,4 +216,16 @@ def shard_model(model: nn.Module, group, tp: int) -> list[tuple[str, str]]:
                 parent.num_heads //= tp
             if hasattr(parent, "embed_dim"):
                 parent.embed_dim //= tp
+    if sequence_parallel:
+        # The residual stream is split on the sequence from the first block's input to the
+        # output head: the model-level code before the blocks (positions, masks) sees it whole.
+        first = next(m for m in model.modules() if isinstance(m, tuple(blocks)))
+        first.forward = _SequenceInput(first.forward, group, scatter=True)
+        for block in {name.rpartition(".")[0] for name, how in plan if how in ("column", "row")}:
+            module = modules[block]
+            module.forward = _SequenceInput(module.forward, group, scatter=False)
+            for child in module.children():
+                if isinstance(child, ColumnParallelLinear):
+                    child.input_is_gathered = True
+        _sequence_parallel_grads(model, group)
     return plan

@@ -79,6 +79,9 @@ class ColumnParallelLinear(nn.Module):
         self.output_size_per_partition = _divide(output_size, self.world, "output_size")
         self.gather_output = gather_output
         self.sequence_parallel_enabled = sequence_parallel_enabled
+        # Set when the enclosing block already gathered a sequence-parallel input (its backward
+        # reduce-scatters the summed gradient), so this layer must not all-reduce it again.
+        self.input_is_gathered = False
         rows = slice(rank * self.output_size_per_partition, (rank + 1) * self.output_size_per_partition)
         self.weight = _mark(nn.Parameter(_linear_weight(output_size, input_size, dtype, device)[rows].clone()), 0)
         if bias:
@@ -89,7 +92,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel_enabled:
             x = gather_from_sequence(x, self.group)
-        else:
+        elif not self.input_is_gathered:
             x = copy_to_region(x, self.group)
         out = F.linear(x, self.weight, self.bias)
         return gather_from_region(out, self.group) if self.gather_output else out
@@ -157,6 +160,8 @@ class ParallelEmbedding(nn.Module):
         self.shard_across_embedding = shard_across_embedding
         # The row that gets no gradient, as in nn.Embedding (set when built from one).
         self.padding_idx: int | None = None
+        # Sequence parallelism: hand each rank its chunk of the sequence instead of the whole.
+        self.sequence_parallel_output = False
         full = torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device)
         init_method(full)
         if shard_across_embedding:
@@ -175,6 +180,8 @@ class ParallelEmbedding(nn.Module):
         local_pad = pad - self.vocab_start if pad is not None and self.vocab_start <= pad < self.vocab_end else None
         local = F.embedding((ids - self.vocab_start).masked_fill(outside, 0), self.weight, padding_idx=local_pad)
         local = local.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel_output:
+            return reduce_scatter_to_sequence(local, self.group)
         return reduce_from_region(local, self.group)
 
     def extra_repr(self) -> str:
@@ -222,7 +229,7 @@ def row_from_linear(linear: nn.Linear, group, input_is_parallel: bool = True,
     return layer
 
 
-def embedding_from(embedding: nn.Embedding, group) -> ParallelEmbedding:
+def embedding_from(embedding: nn.Embedding, group, sequence_parallel_output: bool = False) -> ParallelEmbedding:
     """A ParallelEmbedding holding this rank's rows of an existing ``nn.Embedding``."""
     if embedding.max_norm is not None:
         raise ValueError("an nn.Embedding with max_norm cannot be split over ranks (its renormalization is per row)")
@@ -230,4 +237,5 @@ def embedding_from(embedding: nn.Embedding, group) -> ParallelEmbedding:
                               dtype=embedding.weight.dtype, device="meta", group=group)
     layer.weight = _mark(nn.Parameter(_take(embedding.weight, 0, group), embedding.weight.requires_grad), 0)
     layer.padding_idx = embedding.padding_idx
+    layer.sequence_parallel_output = sequence_parallel_output
     return layer

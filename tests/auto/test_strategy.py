@@ -19,6 +19,7 @@ ATORCH_FORMS = {
     "native_dynamo": {"backend": "aot_eager", "fullgraph": True},
     "zero1": {"use_ds_zero": True},
     "tensor_parallel": {"algorithm": "megatron"},
+    "sequence_parallel": {},
     "module_replace": {"pairs": ["hf_rmsnorm"], "hf_attention": None},
     "fp8": {"include": ["blocks"], "exclude": ["head"], "fp8_format": "E4M3", "amax_history_len": 16,
             "amax_compute_algo": "most_recent", "margin": 1, "interval": 2, "reduce_amax": False, "verbose": True},

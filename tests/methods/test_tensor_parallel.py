@@ -90,3 +90,27 @@ def test_gpt2_and_bert_tp2_match_single_process(family):
     assert_ranks_agree(results)
     assert {"ColumnParallelLinear", "RowParallelLinear"} <= set(results[0]["parallel_modules"])
     assert_losses_close(results[0]["losses"], reference["losses"], FP32_RTOL)
+
+
+def test_llama_tp2_with_sequence_parallel_matches_single_process():
+    pytest.importorskip("transformers")
+    from tests.helpers.hf import train_hf
+
+    reference = train_hf([])
+    results = run_distributed(train_hf, 2, TP2 + ["sequence_parallel"])
+    assert_ranks_agree(results)
+    assert Strategy.from_json(results[0]["strategy"]).opt_names[-1] == "sequence_parallel"
+    assert_losses_close(results[0]["losses"], reference["losses"], FP32_RTOL)
+
+
+def _sequence_parallel_on_bert():
+    from atorch.errors import MethodConfigError
+    from tests.helpers.hf import train_family
+
+    with pytest.raises(MethodConfigError, match="sequence_parallel supports Llama-style"):
+        train_family("bert", TP2 + ["sequence_parallel"])
+    return "raised"
+
+
+def test_sequence_parallel_refuses_models_it_cannot_run():
+    assert run_distributed(_sequence_parallel_on_bert, 2) == ["raised", "raised"]
