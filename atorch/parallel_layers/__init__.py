@@ -17,8 +17,12 @@ from atorch.parallel_layers.mappings import (
     scatter_to_sequence,
 )
 from atorch.parallel_layers.padding import get_number_of_extra_heads, move_model_to_device, pad_model
+from atorch.parallel_layers.random import RNGStatesTracker, get_rng_state_tracker, model_parallel_manual_seed
 
 __all__ = [
+    "RNGStatesTracker",
+    "get_rng_state_tracker",
+    "model_parallel_manual_seed",
     "ColumnParallelLinear",
     "ParallelEmbedding",
     "RowParallelLinear",

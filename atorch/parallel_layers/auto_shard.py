@@ -168,6 +168,27 @@ def _sequence_parallel_grads(model: nn.Module, group) -> int:
     return count
 
 
+def _fork_rng_in_attention(model: nn.Module, plan, group) -> None:
+    """Attention runs on split heads: its dropout draws from the per-rank stream of the tracker,
+    seeded here from the default stream's seed (equal on the group's ranks) plus the rank.
+    Only modules whose forward holds nothing but the split heads are forked (Llama-style
+    attention, BERT's self-attention); GPT-2's attention also drops out its replicated output,
+    so it stays on the default stream (its head masks are then alike across ranks)."""
+    import torch.distributed as dist
+
+    from atorch.parallel_layers.random import MODEL_PARALLEL_RNG, ForkedForward, get_rng_state_tracker
+
+    tracker = get_rng_state_tracker()
+    if MODEL_PARALLEL_RNG not in tracker.states:
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(torch.initial_seed())))
+        rank = dist.get_rank(group) if group is not None and dist.is_initialized() else 0
+        tracker.add(MODEL_PARALLEL_RNG, seed + rank)
+    modules = dict(model.named_modules())
+    attention = {name.rpartition(".")[0] for name, how in plan if name.endswith(("q_proj", "self.query"))}
+    for name in attention:
+        modules[name].forward = ForkedForward(modules[name].forward, tracker)
+
+
 def shard_model(model: nn.Module, group, tp: int, sequence_parallel: bool = False) -> list[tuple[str, str]]:
     """Replace the planned modules in place with this rank's shards; return the plan.
 
@@ -216,6 +237,7 @@ def shard_model(model: nn.Module, group, tp: int, sequence_parallel: bool = Fals
                 parent.num_heads //= tp
             if hasattr(parent, "embed_dim"):
                 parent.embed_dim //= tp
+    _fork_rng_in_attention(model, plan, group)
     if sequence_parallel:
         # The residual stream is split on the sequence from the first block's input to the
         # output head: the model-level code before the blocks (positions, masks) sees it whole.
