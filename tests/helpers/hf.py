@@ -2,9 +2,8 @@
 
 import torch
 
-import atorch
 from atorch.auto import auto_accelerate
-from tests.helpers.models import global_mean, local_numel, optimizer_state_numel
+from tests.helpers.models import local_numel, optimizer_state_numel, run_steps
 
 VOCAB = 96
 
@@ -48,15 +47,7 @@ def train_hf(load_strategy, steps: int = 5, lora: bool = False, lr: float = 1e-2
         model, torch.optim.AdamW, CountingTokens(), lambda batch, out: out.loss, optim_args={"lr": lr},
         dataloader_args={"batch_size": 8}, model_input_format="unpack_dict", load_strategy=load_strategy,
     )
-    losses = []
-    batches = iter(result.dataloader)
-    for _ in range(steps):
-        batch = result.prepare_input(next(batches), atorch.device())
-        loss = result.loss_func(batch, result.model(**batch))
-        loss.backward()
-        result.optim.step()
-        result.optim.zero_grad()
-        losses.append(global_mean(loss))
+    losses, _ = run_steps(result, steps)
     from torch.distributed.tensor import DTensor
 
     def full(p):
@@ -105,14 +96,6 @@ def train_family(family: str, load_strategy, steps: int = 5, lr: float = 1e-2) -
         model, torch.optim.AdamW, CountingTokens(), lambda batch, out: out.loss, optim_args={"lr": lr},
         dataloader_args={"batch_size": 8}, model_input_format="unpack_dict", load_strategy=load_strategy,
     )
-    losses = []
-    batches = iter(result.dataloader)
-    for _ in range(steps):
-        batch = result.prepare_input(next(batches), atorch.device())
-        loss = result.loss_func(batch, result.model(**batch))
-        loss.backward()
-        result.optim.step()
-        result.optim.zero_grad()
-        losses.append(global_mean(loss))
+    losses, _ = run_steps(result, steps)
     kinds = sorted({type(m).__name__ for m in result.model.modules() if "Parallel" in type(m).__name__})
     return {"losses": losses, "strategy": strategy.to_json(), "parallel_modules": kinds}

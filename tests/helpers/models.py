@@ -77,27 +77,10 @@ def optimizer_state_numel(optim) -> int:
     return local_numel(v for state in inner.state.values() for v in state.values() if torch.is_tensor(v) and v.ndim > 0)
 
 
-def train_losses(load_strategy, steps: int = 5, batch_size: int = 8, lr: float = 0.05, shuffle: bool = False,
-                 optim=torch.optim.SGD, seed: int = 0, clip: float | None = None, freeze_embed: bool = False,
-                 **kwargs) -> dict:
-    """Train the tiny transformer through auto_accelerate; return global losses and the strategy."""
+def run_steps(result, steps: int, clip: float | None = None) -> tuple[list[float], list[float]]:
+    """The user's training loop over an auto_accelerate result: global losses (and norms when clipping)."""
     from atorch.auto import clip_grad_norm
 
-    torch.manual_seed(seed)
-    model = TinyTransformer()
-    if freeze_embed:
-        model.embed.weight.requires_grad_(False)
-    status, result, strategy = auto_accelerate(
-        model,
-        optim,
-        TokenDataset(),
-        lm_loss,
-        optim_args={"lr": lr},
-        dataloader_args={"batch_size": batch_size, "shuffle": shuffle},
-        model_input_format="unpack_dict",
-        load_strategy=load_strategy,
-        **kwargs,
-    )
     losses, norms = [], []
     batches = iter(result.dataloader)
     for _ in range(steps):
@@ -113,6 +96,29 @@ def train_losses(load_strategy, steps: int = 5, batch_size: int = 8, lr: float =
             result.optim.step()
             result.optim.zero_grad()
         losses.append(global_mean(loss))
+    return losses, norms
+
+
+def train_losses(load_strategy, steps: int = 5, batch_size: int = 8, lr: float = 0.05, shuffle: bool = False,
+                 optim=torch.optim.SGD, seed: int = 0, clip: float | None = None, freeze_embed: bool = False,
+                 **kwargs) -> dict:
+    """Train the tiny transformer through auto_accelerate; return global losses and the strategy."""
+    torch.manual_seed(seed)
+    model = TinyTransformer()
+    if freeze_embed:
+        model.embed.weight.requires_grad_(False)
+    status, result, strategy = auto_accelerate(
+        model,
+        optim,
+        TokenDataset(),
+        lm_loss,
+        optim_args={"lr": lr},
+        dataloader_args={"batch_size": batch_size, "shuffle": shuffle},
+        model_input_format="unpack_dict",
+        load_strategy=load_strategy,
+        **kwargs,
+    )
+    losses, norms = run_steps(result, steps, clip)
     return {
         "status": status,
         "losses": losses,

@@ -52,10 +52,9 @@ def test_grouped_query_attention_is_refused():
 
 
 def _padded_tp2():
-    import atorch
     from atorch.auto import auto_accelerate
     from tests.helpers.hf import CountingTokens
-    from tests.helpers.models import global_mean
+    from tests.helpers.models import run_steps
 
     model = pad_model(three_head_llama(), tp_degree=2, n_heads=3)
     _, result, _ = auto_accelerate(model, torch.optim.AdamW, CountingTokens(), lambda b, o: o.loss,
@@ -63,33 +62,18 @@ def _padded_tp2():
                                    model_input_format="unpack_dict",
                                    load_strategy=[("parallel_mode", ([("tensor", 2), ("data", 1)], None)),
                                                   "tensor_parallel"])
-    losses, batches = [], iter(result.dataloader)
-    for _ in range(5):
-        batch = result.prepare_input(next(batches), atorch.device())
-        loss = result.loss_func(batch, result.model(**batch))
-        loss.backward()
-        result.optim.step()
-        result.optim.zero_grad()
-        losses.append(global_mean(loss))
-    return {"losses": losses}
+    return {"losses": run_steps(result, 5)[0]}
 
 
 def test_padded_heads_split_over_2_ranks_train_like_the_original():
     from atorch.auto import auto_accelerate
     from tests.helpers.hf import CountingTokens
-    from tests.helpers.models import global_mean
+    from tests.helpers.models import run_steps
 
     _, result, _ = auto_accelerate(three_head_llama(), torch.optim.AdamW, CountingTokens(), lambda b, o: o.loss,
                                    optim_args={"lr": 1e-2}, dataloader_args={"batch_size": 8},
                                    model_input_format="unpack_dict", load_strategy=[])
-    reference, batches = [], iter(result.dataloader)
-    for _ in range(5):
-        batch = next(batches)
-        loss = result.loss_func(batch, result.model(**batch))
-        loss.backward()
-        result.optim.step()
-        result.optim.zero_grad()
-        reference.append(global_mean(loss))
+    reference, _ = run_steps(result, 5)
     results = run_distributed(_padded_tp2, 2)
     assert_ranks_agree(results)
     # The added heads get zero gradients (their output projection columns are zero), so they stay

@@ -13,9 +13,8 @@ FAST = {"dryrun_warmup_steps": 1, "dryrun_steps": 2}
 
 
 def search_and_train(tmp_report, steps=3, register_failing=None, **kwargs):
-    import atorch
     from atorch.auto import auto_accelerate
-    from tests.helpers.models import TinyTransformer, TokenDataset, global_mean, lm_loss
+    from tests.helpers.models import TinyTransformer, TokenDataset, lm_loss, run_steps
 
     if register_failing:
         from tests.auto.search.failing_method import register
@@ -28,15 +27,7 @@ def search_and_train(tmp_report, steps=3, register_failing=None, **kwargs):
     )
     if not status:
         return {"status": False}
-    losses = []
-    batches = iter(result.dataloader)
-    for _ in range(steps):
-        batch = result.prepare_input(next(batches), atorch.device())
-        loss = result.loss_func(batch, result.model(**batch))
-        loss.backward()
-        result.optim.step()
-        result.optim.zero_grad()
-        losses.append(global_mean(loss))
+    losses, _ = run_steps(result, steps)
     return {"status": status, "strategy": strategy.opt_names, "losses": losses}
 
 
