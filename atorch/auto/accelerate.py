@@ -8,7 +8,7 @@ import torch
 
 from atorch.auto.context import ModelContext, move_to_device
 from atorch.auto.environment import DeviceContext
-from atorch.auto.plan import plan_strategy
+from atorch.auto.plan import plan_strategy, resolve_strategy
 from atorch.auto.registry import Stage, get_method
 from atorch.auto.strategy import Strategy, parse_strategy
 from atorch.distributed import env
@@ -128,10 +128,7 @@ def auto_accelerate(
     strategy, notes = plan_strategy(requested, device_ctx, excluded, included)
     for note in notes:
         logger.info(note)
-    for name, config in strategy.items():
-        resolve = get_method(name).resolve
-        if resolve is not None:
-            strategy = strategy.replace(name, resolve(model, config))
+    strategy = resolve_strategy(model, strategy)
 
     ctx = make_context(model)
     apply_strategy(ctx, strategy)

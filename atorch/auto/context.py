@@ -14,17 +14,23 @@ from atorch.auto.environment import DeviceContext
 from atorch.distributed.topology import Topology
 
 
+def map_tensors(data: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` applied to every tensor in ``data`` (also inside dicts, lists, tuples, namedtuples);
+    the structure and everything else stay as they are."""
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, dict):
+        return type(data)((key, map_tensors(value, fn)) for key, value in data.items())
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
+        return type(data)(*(map_tensors(value, fn) for value in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(map_tensors(value, fn) for value in data)
+    return data
+
+
 def move_to_device(data: Any, device: torch.device) -> Any:
     """The default ``prepare_input``: tensors (also inside dicts, lists and tuples) to ``device``."""
-    if isinstance(data, torch.Tensor):
-        return data.to(device, non_blocking=True)
-    if isinstance(data, dict):
-        return type(data)((key, move_to_device(value, device)) for key, value in data.items())
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(move_to_device(value, device) for value in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(move_to_device(value, device) for value in data)
-    return data
+    return map_tensors(data, lambda t: t.to(device, non_blocking=True))
 
 
 def run_model(model: torch.nn.Module, data: Any, model_input_format: str | None) -> Any:

@@ -93,6 +93,16 @@ def plan_strategy(
     return strategy, notes
 
 
+def resolve_strategy(model, strategy: Strategy) -> Strategy:
+    """Each method's ``resolve`` applied to ``model``: user errors raised before anything runs,
+    and the choices methods make from the model (checkpointed classes, FSDP units) filled in."""
+    for name, config in strategy.items():
+        resolve = get_method(name).resolve
+        if resolve is not None:
+            strategy = strategy.replace(name, resolve(model, config))
+    return strategy
+
+
 def _check_dims_used(strategy: Strategy, dims: list[tuple[str, int]]) -> None:
     used = set(DATA_PARALLEL_DIMS)
     for name, _ in strategy.items():

@@ -55,10 +55,8 @@ def fp8_candidates(model: nn.Module, include: list[str] | None, exclude: list[st
 
 def swap_linears(model: nn.Module, names: list[str], factory: Callable[[nn.Linear], nn.Module]) -> None:
     """Replace each named Linear with ``factory(linear)`` (which must copy the weights)."""
-    modules = dict(model.named_modules())
     for name in names:
-        parent_name, _, child = name.rpartition(".")
-        setattr(modules[parent_name] if parent_name else model, child, factory(modules[name]))
+        model.set_submodule(name, factory(model.get_submodule(name)))
 
 
 def te_linear_from(linear: nn.Linear) -> nn.Module:

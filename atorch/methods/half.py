@@ -11,7 +11,7 @@ import torch
 from pydantic import Field, model_validator
 
 from atorch.auto.config_types import HalfDType, MethodConfig, bf16_unsupported, dtype_shorthand
-from atorch.auto.context import ModelContext
+from atorch.auto.context import ModelContext, map_tensors
 from atorch.auto.registry import MethodSpec, Stage, register_method
 
 
@@ -23,15 +23,7 @@ class HalfConfig(MethodConfig):
 
 def cast_floats(data: Any, dtype: torch.dtype) -> Any:
     """Floating tensors (also inside dicts, lists, tuples) cast to ``dtype``; others unchanged."""
-    if isinstance(data, torch.Tensor):
-        return data.to(dtype) if data.is_floating_point() else data
-    if isinstance(data, dict):
-        return type(data)((key, cast_floats(value, dtype)) for key, value in data.items())
-    if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(cast_floats(value, dtype) for value in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(cast_floats(value, dtype) for value in data)
-    return data
+    return map_tensors(data, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 class _CastingPrepareInput:

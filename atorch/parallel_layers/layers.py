@@ -160,8 +160,6 @@ class ParallelEmbedding(nn.Module):
         self.shard_across_embedding = shard_across_embedding
         # The row that gets no gradient, as in nn.Embedding (set when built from one).
         self.padding_idx: int | None = None
-        # Sequence parallelism: hand each rank its chunk of the sequence instead of the whole.
-        self.sequence_parallel_output = False
         full = torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device)
         init_method(full)
         if shard_across_embedding:
@@ -180,8 +178,6 @@ class ParallelEmbedding(nn.Module):
         local_pad = pad - self.vocab_start if pad is not None and self.vocab_start <= pad < self.vocab_end else None
         local = F.embedding((ids - self.vocab_start).masked_fill(outside, 0), self.weight, padding_idx=local_pad)
         local = local.masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.sequence_parallel_output:
-            return reduce_scatter_to_sequence(local, self.group)
         return reduce_from_region(local, self.group)
 
     def extra_repr(self) -> str:
@@ -229,7 +225,7 @@ def row_from_linear(linear: nn.Linear, group, input_is_parallel: bool = True,
     return layer
 
 
-def embedding_from(embedding: nn.Embedding, group, sequence_parallel_output: bool = False) -> ParallelEmbedding:
+def embedding_from(embedding: nn.Embedding, group) -> ParallelEmbedding:
     """A ParallelEmbedding holding this rank's rows of an existing ``nn.Embedding``."""
     if embedding.max_norm is not None:
         raise ValueError("an nn.Embedding with max_norm cannot be split over ranks (its renormalization is per row)")
@@ -237,5 +233,4 @@ def embedding_from(embedding: nn.Embedding, group, sequence_parallel_output: boo
                               dtype=embedding.weight.dtype, device="meta", group=group)
     layer.weight = _mark(nn.Parameter(_take(embedding.weight, 0, group), embedding.weight.requires_grad), 0)
     layer.padding_idx = embedding.padding_idx
-    layer.sequence_parallel_output = sequence_parallel_output
     return layer

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from atorch.auto.context import ModelContext, run_model
-from atorch.auto.registry import get_method
+from atorch.auto.plan import resolve_strategy
 from atorch.auto.search.agree import all_ok, first_error, max_each, max_over_ranks
 from atorch.auto.strategy import Strategy
 from atorch.utils.log import logger
@@ -76,10 +76,7 @@ def dry_run(
     ctx, error = None, None
     try:
         ctx = make_context(copy.deepcopy(pristine))
-        for name, config in strategy.items():
-            resolve = get_method(name).resolve
-            if resolve is not None:
-                strategy = strategy.replace(name, resolve(ctx.model, config))
+        strategy = resolve_strategy(ctx.model, strategy)
         ok = all_ok(True)
     except Exception as exc:  # noqa: BLE001 - any failure of a candidate is recorded, not raised
         error, ok = f"{type(exc).__name__}: {exc}", all_ok(False)

@@ -8,6 +8,7 @@ import torch
 
 from atorch.auto.context import ModelContext
 from atorch.auto.environment import DeviceContext
+from atorch.auto.plan import resolve_strategy
 from atorch.auto.registry import get_method
 from atorch.auto.search import cost
 from atorch.auto.search.agree import from_rank0, max_over_ranks
@@ -38,10 +39,7 @@ def estimate_candidate(model, strategy, dp_size, state_factor, probe) -> tuple[c
     the estimate unknown: the dry run will meet the failure and record it properly.
     ``probe(strategy, flops)`` returns activation bytes and appends the forward's FLOPs."""
     try:
-        for name, config in strategy.items():
-            resolve = get_method(name).resolve
-            if resolve is not None:
-                strategy = strategy.replace(name, resolve(model, config))
+        strategy = resolve_strategy(model, strategy)
     except AtorchConfigError as error:
         return None, str(error)
     try:
