@@ -21,10 +21,18 @@ setup(
     extras_require={
         "hf": ["transformers>=4.45"],
         "deepspeed": ["deepspeed>=0.14"],
-        "fairscale": ["fairscale>=0.4.13", "ruff"],
+        "fairscale": ["fairscale>=0.4.13"],
+        # atorch.checkpoint.export writes safetensors when it is installed.
+        "safetensors": ["safetensors>=0.4"],
+        # benchmarks/: plots and the Hugging Face Accelerate comparison.
+        "bench": ["matplotlib>=3.7", "accelerate>=0.30"],
         "transformer-engine": ["transformer-engine[pytorch]>=1.8"],
         "peft": ["peft>=0.10"],
         # The suite runs the optional back-ends too, so CI installs them.
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.45", "peft>=0.10", "deepspeed>=0.14", "fairscale>=0.4.13", "ruff"],
+        "dev": [
+            "pytest>=8", "pytest-timeout>=2.3", "ruff",
+            "transformers>=4.45", "peft>=0.10", "deepspeed>=0.14", "fairscale>=0.4.13",
+            "safetensors>=0.4", "matplotlib>=3.7", "accelerate>=0.30",
+        ],
     },
 )
