@@ -32,3 +32,7 @@ class WorldSizeError(AtorchConfigError):
 
 class NotSupportedError(AtorchConfigError):
     """A requested feature exists in the API but is not available in this build."""
+
+
+class CompressionError(AtorchConfigError):
+    """A genomic-bottleneck setup or checkpoint that cannot work (atorch.compression)."""
