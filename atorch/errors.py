@@ -36,3 +36,7 @@ class NotSupportedError(AtorchConfigError):
 
 class CompressionError(AtorchConfigError):
     """A genomic-bottleneck setup or checkpoint that cannot work (atorch.compression)."""
+
+
+class CheckpointError(AtorchConfigError):
+    """A checkpoint is missing, incomplete or corrupt, or does not hold what was asked of it."""
