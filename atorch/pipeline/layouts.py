@@ -1,0 +1,187 @@
+"""How a model's forward splits into a chain of units that pipeline stages can run in turn.
+
+A layout names the model's units in forward order (the places a stage boundary may fall are
+between two units), builds the module that runs a contiguous range of them, and turns the last
+stage's output back into what the whole model's ``forward`` returns. Two layouts are built in:
+
+- :class:`SequentialLayout` for ``nn.Sequential`` models: each child is a unit (an
+  ``nn.ModuleList`` child is opened into its items); the forward is the chain itself.
+- :class:`DecoderLMLayout` for Hugging Face decoder language models built like Llama
+  (``model.embed_tokens``, ``model.layers``, ``model.norm``, ``model.rotary_emb``, ``lm_head``:
+  Llama, Mistral, Qwen2, ...): units are the embedding, each decoder layer, the final norm and
+  the head; each stage recomputes the causal mask and rotary embeddings from the hidden states'
+  shape, and the last stage computes the loss with the model's own ``loss_function``.
+
+Other models raise an error that says which structures are known; :func:`register_layout`
+adds one for a model family of your own.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from atorch.errors import NotSupportedError
+
+
+class Layout:
+    """The chain of units of one model; subclasses fill in how a range of units runs."""
+
+    def __init__(self, model: nn.Module, units: list[str], layer_units: list[str], inputs: list[str]):
+        self.model = model
+        # Dotted module names in forward order.
+        self.units = units
+        # The units that are transformer layers (auto_partition balances these).
+        self.layer_units = layer_units
+        # The forward kwargs the first stage consumes; the others go to the loss on the last stage.
+        self.inputs = inputs
+
+    def module(self, name: str) -> nn.Module:
+        return self.model.get_submodule(name)
+
+    def stage_module(self, names: list[str], is_first: bool, is_last: bool) -> nn.Module:
+        raise NotImplementedError
+
+    def model_output(self, stage_output: Any, targets: dict[str, Any]) -> Any:
+        """What the whole model's forward would return, from the last stage's output."""
+        return stage_output
+
+    def materialize_shared(self, device: torch.device) -> None:
+        """Rebuild the modules every stage uses (buffers only) after a meta-device build."""
+
+
+class _Chain(nn.Module):
+    def __init__(self, units: list[nn.Module]):
+        super().__init__()
+        self.units = nn.ModuleList(units)
+
+    def forward(self, x):
+        for unit in self.units:
+            x = unit(x)
+        return x
+
+
+class SequentialLayout(Layout):
+    """``nn.Sequential`` models; the first kwarg (or ``input_names[0]``) is the chain's input."""
+
+    def __init__(self, model: nn.Sequential, input_names: list[str] | None):
+        units = []
+        for name, child in model.named_children():
+            if isinstance(child, nn.ModuleList):
+                units += [f"{name}.{i}" for i in range(len(child))]
+            else:
+                units.append(name)
+        super().__init__(model, units, list(units), list(input_names or [])[:1])
+
+    def stage_module(self, names, is_first, is_last):
+        return _Chain([self.module(n) for n in names])
+
+
+class _DecoderStage(nn.Module):
+    def __init__(self, layout: "DecoderLMLayout", names: list[str]):
+        super().__init__()
+        self.layout = [layout]  # a list: the layout holds the whole model, which is no child of this stage
+        self.kinds = [layout.kind(n) for n in names]
+        self.units = nn.ModuleList(layout.module(n) for n in names)
+
+    def forward(self, x):
+        context = None
+        for kind, unit in zip(self.kinds, self.units):
+            if kind == "layer":
+                if context is None:
+                    context = self.layout[0].layer_context(x)
+                x = unit(x, **context)
+            else:
+                x = unit(x)
+        return x
+
+    # tensor_parallel's shard_model asks these to split the embedding and the head.
+    def get_input_embeddings(self):
+        return next((u for k, u in zip(self.kinds, self.units) if k == "embed"), None)
+
+    def get_output_embeddings(self):
+        return next((u for k, u in zip(self.kinds, self.units) if k == "head"), None)
+
+
+class DecoderLMLayout(Layout):
+    """Hugging Face causal LMs built like Llama; takes ``input_ids`` and ``labels``."""
+
+    def __init__(self, model: nn.Module):
+        base = model.model
+        layers = [f"model.layers.{i}" for i in range(len(base.layers))]
+        super().__init__(model, ["model.embed_tokens", *layers, "model.norm", "lm_head"], layers, ["input_ids"])
+
+    @staticmethod
+    def matches(model: nn.Module) -> bool:
+        base = getattr(model, "model", None)
+        return all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) and isinstance(
+            getattr(model, "lm_head", None), nn.Module) and hasattr(model, "loss_function")
+
+    def kind(self, name: str) -> str:
+        return {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "head"}.get(name, "layer")
+
+    def stage_module(self, names, is_first, is_last):
+        return _DecoderStage(self, names)
+
+    def layer_context(self, hidden: torch.Tensor) -> dict:
+        from transformers.masking_utils import create_causal_mask
+
+        base = self.model.model
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(config=base.config, inputs_embeds=hidden, attention_mask=None,
+                                  past_key_values=None, position_ids=position_ids)
+        return {"attention_mask": mask, "position_ids": position_ids,
+                "position_embeddings": base.rotary_emb(hidden, position_ids=position_ids)}
+
+    def model_output(self, stage_output, targets):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        unknown = sorted(set(targets) - {"labels"})
+        if unknown:
+            raise NotSupportedError(
+                f"PipelineModel runs decoder LMs on input_ids and labels only; {unknown} are not passed between "
+                "stages (a padding attention_mask or custom position_ids would be ignored); drop them"
+            )
+        labels = targets.get("labels")
+        loss = None
+        if labels is not None:
+            loss = self.model.loss_function(logits=stage_output, labels=labels, vocab_size=self.model.config.vocab_size)
+        return CausalLMOutputWithPast(loss=loss, logits=stage_output)
+
+    def materialize_shared(self, device):
+        rotary = self.model.model.rotary_emb
+        fresh = type(rotary)(config=rotary.config, device=device) if _takes_device(type(rotary)) else type(rotary)(
+            config=rotary.config)
+        self.model.model.rotary_emb = fresh.to(device)
+
+
+def _takes_device(cls) -> bool:
+    import inspect
+
+    return "device" in inspect.signature(cls.__init__).parameters
+
+
+_LAYOUTS: list[tuple[Callable[[nn.Module], bool], Callable[[nn.Module, list[str] | None], Layout]]] = []
+
+
+def register_layout(matches: Callable[[nn.Module], bool], build: Callable[[nn.Module, list[str] | None], Layout]):
+    """Teach PipelineModel a model family: ``matches(model)`` says whether ``build(model, input_names)``
+    (returning a :class:`Layout`) applies. Layouts registered later are tried first."""
+    _LAYOUTS.insert(0, (matches, build))
+
+
+register_layout(lambda m: isinstance(m, nn.Sequential), SequentialLayout)
+register_layout(DecoderLMLayout.matches, lambda m, names: DecoderLMLayout(m))
+
+
+def layout_for(model: nn.Module, input_names: list[str] | None = None) -> Layout:
+    """The layout that splits ``model``; an unknown structure raises :class:`NotSupportedError`."""
+    for matches, build in _LAYOUTS:
+        if matches(model):
+            return build(model, input_names)
+    raise NotSupportedError(
+        f"PipelineModel does not know how {type(model).__name__}'s forward flows: it splits nn.Sequential models "
+        "and Hugging Face decoder LMs built like Llama (model.embed_tokens/layers/norm, lm_head); wrap your "
+        "model's pieces in an nn.Sequential or register a layout with atorch.pipeline.register_layout"
+    )

@@ -1,0 +1,64 @@
+"""The schedules atorch offers, the torch.distributed.pipelining class behind each, and where
+each stage lives.
+
+- ``"gpipe"``: all forwards, then all backwards (one stage per rank).
+- ``"1f1b"``: one forward, one backward in the steady state (one stage per rank); less
+  activation memory than GPipe for the same bubble.
+- ``"interleaved"``: interleaved 1F1B over ``virtual_pipeline_size`` stages per rank (stage
+  ``s`` on rank ``s % pipeline_size``); the bubble shrinks by the number of local stages.
+- ``"zero_bubble"``: torch's interleaved zero-bubble schedule (ZB1P), backward split into input
+  and weight gradients so the weight part fills the bubble; any ``virtual_pipeline_size``.
+- ``"zbv"``: torch's ZB-V schedule: exactly two stages per rank placed in a V (rank ``r`` holds
+  stages ``r`` and ``2 * pipeline_size - 1 - r``).
+"""
+
+from torch.distributed import pipelining
+
+from atorch.errors import MethodConfigError
+
+SCHEDULES = {
+    "gpipe": pipelining.ScheduleGPipe,
+    "1f1b": pipelining.Schedule1F1B,
+    "interleaved": pipelining.ScheduleInterleaved1F1B,
+    "zero_bubble": pipelining.ScheduleInterleavedZeroBubble,
+    "zbv": pipelining.ScheduleZBVZeroBubble,
+}
+# Schedules whose torch class takes one stage, not a list.
+SINGLE_STAGE = ("gpipe", "1f1b")
+
+
+def check_schedule(schedule: str, virtual_pipeline_size: int) -> str:
+    """The schedule that runs: ``"1f1b"`` with ``virtual_pipeline_size > 1`` becomes ``"interleaved"``;
+    impossible combinations raise :class:`MethodConfigError`."""
+    if schedule not in SCHEDULES:
+        raise MethodConfigError(f"unknown pipeline schedule {schedule!r}; pick one of {sorted(SCHEDULES)}")
+    if virtual_pipeline_size < 1:
+        raise MethodConfigError(f"virtual_pipeline_size is {virtual_pipeline_size}; it must be at least 1")
+    if schedule == "1f1b" and virtual_pipeline_size > 1:
+        return "interleaved"
+    if schedule == "gpipe" and virtual_pipeline_size > 1:
+        raise MethodConfigError(
+            "schedule 'gpipe' runs one stage per rank; use schedule 'interleaved' (or 'zero_bubble') with "
+            f"virtual_pipeline_size={virtual_pipeline_size}, or set virtual_pipeline_size=1"
+        )
+    if schedule == "zbv" and virtual_pipeline_size != 2:
+        raise MethodConfigError(f"schedule 'zbv' holds exactly two stages per rank; set virtual_pipeline_size=2, "
+                                f"not {virtual_pipeline_size}")
+    return schedule
+
+
+def local_stage_indices(schedule: str, pp_rank: int, pp_size: int, virtual_pipeline_size: int) -> list[int]:
+    """The global stage indices this pipeline rank runs, in the order the schedule expects."""
+    if schedule == "zbv":
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + v * pp_size for v in range(virtual_pipeline_size)]
+
+
+def build_schedule(schedule: str, stages: list, num_microbatches: int, loss_fn):
+    """The torch schedule object over this rank's ``PipelineStage`` objects."""
+    cls = SCHEDULES[schedule]
+    # scale_grads: gradients are divided by the number of microbatches, so a per-microbatch mean
+    # loss gives the gradient of the mean over the whole batch, as in the serial model.
+    if schedule in SINGLE_STAGE:
+        return cls(stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return cls(stages, num_microbatches, loss_fn=loss_fn, scale_grads=True)
