@@ -1,0 +1,160 @@
+"""PipelineModel on real gloo processes against the serial model (several schedules per spawn)."""
+
+import pytest
+import torch
+
+from atorch.errors import MethodConfigError, NotSupportedError, WorldSizeError
+from atorch.pipeline.loss import pick_loss, split_batch
+from atorch.pipeline.partition import balanced_ranges, ranges_from_cuts
+from atorch.pipeline.schedules import check_schedule
+from tests.helpers.compare import FP32_RTOL, assert_losses_close
+from tests.helpers.dist import run_distributed
+from tests.pipeline.models import Block, batches, chain_loss, chain_model, pipeline_losses, serial_losses
+
+# (schedule, virtual_pipeline_size, cuts); None cuts: auto_partition
+TWO_RANK_RUNS = [
+    ("1f1b", 1, ["2"]),
+    ("gpipe", 1, None),
+    ("zero_bubble", 1, None),
+    ("interleaved", 2, ["1", "2", "4"]),
+    ("zbv", 2, None),
+]
+
+
+def _two_rank_runs():
+    from atorch.pipeline import PipelineModel
+
+    out = {}
+    for schedule, virtual, cuts in TWO_RANK_RUNS:
+        model = PipelineModel(chain_model(), num_microbatches=4, virtual_pipeline_size=virtual, pipeline_cuts=cuts,
+                              auto_partition=cuts is None, broadcast_and_average_loss=True, loss_fn=chain_loss,
+                              schedule=schedule)
+        out[(schedule, virtual)] = {"losses": pipeline_losses(model), "units": model.local_units,
+                                    "numel": sum(p.numel() for p in model.local_parameters())}
+    # A model built on the meta device: each rank materializes only its stage.
+    reference = chain_model().state_dict()
+    meta = chain_model(device="meta")
+    names = {id(m): n for n, m in meta.named_modules()}
+
+    def init(unit):
+        prefix = names[id(unit)] + "."
+        unit.load_state_dict({k[len(prefix):]: v for k, v in reference.items() if k.startswith(prefix)})
+
+    model = PipelineModel(meta, num_microbatches=2, auto_partition=True, transformer_layer_cls=Block,
+                          param_init_fn=init, return_mb_loss=True, loss_fn=chain_loss)
+    out["meta_units"] = model.local_units
+    out["meta_still_meta"] = sorted({n.split(".")[0] for n, p in meta.named_parameters() if p.is_meta})
+    x, y = batches()[0]
+    out["mb_losses"] = model.run_train(input=x, target=y)
+    out["eval"] = model.run_eval(input=x, target=y)
+    with pytest.raises(WorldSizeError, match="multiple of num_microbatches"):
+        model.run_train(input=x[:3], target=y[:3])
+    return out
+
+
+def test_schedules_on_2_ranks_match_serial():
+    reference = serial_losses()
+    results = run_distributed(_two_rank_runs, 2)
+    for schedule, virtual, _ in TWO_RANK_RUNS:
+        runs = [r[(schedule, virtual)] for r in results]
+        assert runs[0]["losses"] == runs[1]["losses"]  # broadcast_and_average_loss: every rank has it
+        assert_losses_close(runs[0]["losses"], reference, FP32_RTOL)
+        # each rank holds only its own stages
+        assert set(runs[0]["units"]).isdisjoint(runs[1]["units"])
+        assert runs[0]["numel"] + runs[1]["numel"] == sum(p.numel() for p in chain_model().parameters())
+    first, last = results
+    assert first["meta_units"] == ["0", "1", "2"] and last["meta_units"] == ["3", "4", "5"]
+    assert first["meta_still_meta"] == ["3", "4", "5"] and last["meta_still_meta"] == ["0", "1", "2"]
+    # return_mb_loss: a list on the last stage, None elsewhere (no broadcast asked)
+    assert first["mb_losses"] is None and len(last["mb_losses"]) == 2
+    serial_first = serial_losses()[0]
+    assert abs(sum(last["mb_losses"]).item() / 2 - serial_first) <= FP32_RTOL * serial_first
+    assert [e.item() for e in last["eval"]] == pytest.approx([m.item() for m in last["mb_losses"]], rel=1e-6)
+
+
+def _four_rank_runs():
+    import torch.distributed as dist
+
+    from atorch.distributed.topology import Topology
+    from atorch.pipeline import PipelineModel
+
+    out = {}
+    # 8 stages, two per rank: interleaved 1F1B
+    model = PipelineModel(chain_model(6), num_microbatches=4, virtual_pipeline_size=2, auto_partition=True,
+                          broadcast_and_average_loss=True, loss_fn=chain_loss, schedule="interleaved")
+    out["interleaved"] = pipeline_losses(model)
+    # pipeline 2 x data 2: each data rank trains on its half of the batch
+    topology = Topology.build([("pipeline", 2), ("data", 2)])
+    model = PipelineModel(chain_model(6), num_microbatches=2, auto_partition=True, broadcast_and_average_loss=True,
+                          loss_fn=chain_loss, topology=topology)
+    optim = torch.optim.SGD(model.local_parameters(), lr=0.1)
+    half, losses = topology.data_parallel_rank, []
+    for x, y in batches():
+        part = slice(half * 4, half * 4 + 4)
+        losses.append(model.run_train(input=x[part], target=y[part]).item())
+        optim.step()
+        optim.zero_grad()
+    out["pp2_dp2"] = losses
+    out["rank"] = dist.get_rank()
+    return out
+
+
+def test_interleaved_and_data_parallel_on_4_ranks_match_serial():
+    reference = serial_losses(6)
+    results = run_distributed(_four_rank_runs, 4)
+    for result in results:
+        assert_losses_close(result["interleaved"], reference, FP32_RTOL)
+        assert_losses_close(result["pp2_dp2"], reference, FP32_RTOL)
+
+
+def test_cuts_are_checked():
+    units = ["embed", "layers.0", "layers.1", "head"]
+    assert ranges_from_cuts(units, ["layers.0"], 2) == [["embed", "layers.0"], ["layers.1", "head"]]
+    with pytest.raises(MethodConfigError, match="make 2 stages but the pipeline has 4"):
+        ranges_from_cuts(units, ["layers.0"], 4)
+    with pytest.raises(MethodConfigError, match="'layers.7' is not a unit"):
+        ranges_from_cuts(units, ["layers.7"], 2)
+    with pytest.raises(MethodConfigError, match="in forward order"):
+        ranges_from_cuts(units, ["layers.1", "layers.0"], 3)
+    with pytest.raises(MethodConfigError, match="at least one module after"):
+        ranges_from_cuts(units, ["head"], 2)
+
+
+def test_auto_partition_balances_parameters_over_layers():
+    model = chain_model(4)
+    units = [n for n, _ in model.named_children()]
+    # boundaries only before the blocks: the input layer stays with block 1, the head with block 4
+    assert balanced_ranges(model, units, units[1:5], 2) == [["0", "1", "2"], ["3", "4", "5"]]
+    with pytest.raises(WorldSizeError, match="has 4 layers"):
+        balanced_ranges(model, units, units[1:5], 6)
+
+
+def test_schedules_and_batches_are_checked():
+    assert check_schedule("1f1b", 2) == "interleaved"
+    with pytest.raises(MethodConfigError, match="unknown pipeline schedule 'pipedream'"):
+        check_schedule("pipedream", 1)
+    with pytest.raises(MethodConfigError, match="gpipe' runs one stage per rank"):
+        check_schedule("gpipe", 2)
+    with pytest.raises(MethodConfigError, match="exactly two stages per rank"):
+        check_schedule("zbv", 3)
+    with pytest.raises(WorldSizeError, match="batch size 6, which does not split into 4"):
+        split_batch({"x": torch.zeros(6, 2)}, 4)
+    assert [len(mb["x"]) for mb in split_batch({"x": torch.zeros(8, 2), "flag": True}, 4)] == [2] * 4
+    assert pick_loss((torch.tensor(1.0), torch.tensor(2.0)), (False, True)).item() == 2.0
+    with pytest.raises(MethodConfigError, match="exactly one item True"):
+        pick_loss((torch.tensor(1.0),), (False,))
+
+
+def test_unimplemented_options_and_missing_process_group_raise():
+    from atorch.pipeline import PipelineModel
+
+    for option in ({"use_zero1_optimizer": True}, {"deallocate_pipeline_outputs": True},
+                   {"leaf_module_cls": [Block]}):
+        with pytest.raises(NotSupportedError, match=next(iter(option))):
+            PipelineModel(chain_model(), **option)
+    with pytest.raises(WorldSizeError, match="needs a process group"):
+        PipelineModel(chain_model())
+    with pytest.raises(NotSupportedError, match="does not know how Linear's forward flows"):
+        from atorch.pipeline.layouts import layout_for
+
+        layout_for(torch.nn.Linear(2, 2))
