@@ -24,6 +24,12 @@ def set_topology(topology: Topology | None) -> None:
     _CURRENT = topology
 
 
+def current_topology() -> Topology | None:
+    """The topology the getters read (set by parallel_mode, initialize_model_parallel or
+    atorch.intra_layer.init), or ``None`` before any of them ran."""
+    return _CURRENT
+
+
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> Topology:
     if not dist.is_initialized():
         raise WorldSizeError("initialize_model_parallel needs a process group: call atorch.init_distributed() first")

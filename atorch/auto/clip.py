@@ -19,20 +19,27 @@ def grad_norm(parameters: torch.nn.Module | Iterable[torch.Tensor], norm_type: f
 
     Plain gradients (DDP, ZeRO-1: the same on every rank) count once; sharded DTensor gradients
     (fsdp, zero2) contribute their local shard and are summed over the mesh dims they are split on.
+    A plain parameter with a ``shard_group`` attribute (a process group, as the 3D layers of
+    atorch.intra_layer set) holds a different piece on each rank of that group: summed over it.
     """
     params = parameters.parameters() if isinstance(parameters, torch.nn.Module) else parameters
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    params = [p for p in params if p.grad is not None]
+    if not params:
         return torch.tensor(0.0)
     is_inf = math.isinf(norm_type)
     groups: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
+    for p in params:
+        g = p.grad
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        if key is None and getattr(p, "shard_group", None) is not None:
+            key = ("group", p.shard_group)
         groups.setdefault(key, []).append(g.to_local() if isinstance(g, DTensor) else g)
     parts = []
     for key, local in groups.items():
         part = _local_power_sum(local, norm_type)
-        if key is not None:
+        if key is not None and isinstance(key[0], str):  # ("group", shard_group)
+            dist.all_reduce(part, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=key[1])
+        elif key is not None:
             mesh, placements = key
             for dim, placement in enumerate(placements):
                 if isinstance(placement, Shard):

@@ -16,8 +16,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from atorch.errors import WorldSizeError
 
 KNOWN_DIMS = ("data", "zero", "tensor", "pipeline")
+# The 3D tensor-parallel algorithm (atorch.intra_layer) splits the tensor dim into these sub-dims,
+# outermost first: tensor rank = row + R * (col + C * depth). See Topology.split_tensor.
+TENSOR_SUB_DIMS = ("depth", "col", "row")
 # Ranks along these dims see different samples; the dataloader splits the global batch over them.
-DATA_PARALLEL_DIMS = ("data", "zero")
+# ("depth" exists only once the tensor dim is split: its ranks hold shards of the same weights but
+# see different samples.)
+DATA_PARALLEL_DIMS = ("data", "zero", "depth")
 
 
 def resolve_dims(
@@ -77,7 +82,12 @@ class Topology:
         self.dims = dims
         self.mesh = mesh
         self.rank_order = rank_order
+        # (row, col, depth) once split_tensor has run; the mesh with the sub-dims in place of tensor.
+        self.tensor_split: tuple[int, int, int] | None = None
+        self._split_mesh: DeviceMesh | None = None
         self._dp_mesh = self._build_dp_mesh() if mesh is not None else None
+        # Data dims without depth: the ranks that hold the same 3D shard (equal to _dp_mesh unsplit).
+        self._replica_mesh = self._dp_mesh
 
     @classmethod
     def single(cls) -> "Topology":
@@ -112,29 +122,68 @@ class Topology:
         return cls(dims, mesh, None if rank_order is None else order)
 
     def _build_dp_mesh(self) -> DeviceMesh | None:
-        names = [n for n in self.mesh.mesh_dim_names if n in DATA_PARALLEL_DIMS]
+        mesh = self._named_mesh
+        names = [n for n in mesh.mesh_dim_names if n in DATA_PARALLEL_DIMS]
         if not names:
             return None
         if len(names) == 1:
-            return self.mesh[names[0]]
+            return mesh[names[0]]
         # Flattening is how torch builds one group over several mesh dims (torchtitan does the
         # same for its data-parallel group); every rank takes part, so it happens once, here.
-        return self.mesh[tuple(names)]._flatten("data_parallel")
+        return mesh[tuple(names)]._flatten("data_parallel" if mesh is self.mesh else "data_parallel_3d")
+
+    @property
+    def _named_mesh(self) -> DeviceMesh | None:
+        """The mesh whose dim names are looked up: with the tensor sub-dims once split."""
+        return self._split_mesh if self._split_mesh is not None else self.mesh
+
+    def split_tensor(self, row: int, col: int, depth: int) -> None:
+        """Split the ``tensor`` dim into ``row`` x ``col`` x ``depth`` sub-dims (a collective call).
+
+        Used by the 3D tensor-parallel algorithm (``atorch.intra_layer``). Afterwards
+        ``group("row")``, ``group("col")`` and ``group("depth")`` exist, ``group("tensor")`` still
+        spans all three, and ``depth`` counts as a data-parallel dim (its ranks see different
+        samples): ``data_parallel_size`` includes it. Tensor rank = row + R * (col + C * depth).
+        """
+        sizes = (int(row), int(col), int(depth))
+        if min(sizes) < 1 or math.prod(sizes) != self.size("tensor"):
+            raise WorldSizeError(
+                f"row x col x depth = {sizes[0]} x {sizes[1]} x {sizes[2]} = {math.prod(sizes)} must equal the "
+                f"tensor dim's size {self.size('tensor')}; pick sizes that multiply to {self.size('tensor')} "
+                "or change the tensor dim"
+            )
+        if self.tensor_split is not None:
+            if self.tensor_split != sizes:
+                raise WorldSizeError(f"the tensor dim is already split as {self.tensor_split}; build a new Topology")
+            return
+        self.tensor_split = sizes
+        if self.mesh is None or "tensor" not in self.mesh.mesh_dim_names:
+            return  # every size is 1 (checked above)
+        self._split_mesh = self.mesh._unflatten("tensor", sizes[::-1], TENSOR_SUB_DIMS)
+        self._dp_mesh = self._build_dp_mesh()
 
     def size(self, name: str) -> int:
         """Size of a dim; 1 for a dim this topology does not have."""
+        if name in TENSOR_SUB_DIMS and self.tensor_split is not None:
+            return self.tensor_split[("row", "col", "depth").index(name)]
         return dict(self.dims).get(name, 1)
 
     def coordinate(self, name: str) -> int:
         """This rank's index along a dim; 0 for a dim this topology does not have."""
-        if self.mesh is None or name not in self.mesh.mesh_dim_names:
+        mesh = self._named_mesh
+        if mesh is None or name not in mesh.mesh_dim_names:
+            if name == "tensor" and self._split_mesh is not None:
+                return self.coordinate("row") + self.size("row") * (
+                    self.coordinate("col") + self.size("col") * self.coordinate("depth"))
             return 0
         # The mesh coordinate, not the group rank: process groups number their members by global
         # rank, which differs from the position on the mesh when a rank_order permutes ranks.
-        return self.mesh.get_coordinate()[self.mesh.mesh_dim_names.index(name)]
+        return mesh.get_coordinate()[mesh.mesh_dim_names.index(name)]
 
     def group(self, name: str) -> dist.ProcessGroup | None:
         """The process group of this rank along ``name`` (``None`` without a process group)."""
+        if self._split_mesh is not None and name in TENSOR_SUB_DIMS:
+            return self._split_mesh.get_group(name)
         if self.mesh is None or name not in self.mesh.mesh_dim_names:
             return None
         return self.mesh.get_group(name)
@@ -154,7 +203,7 @@ class Topology:
     def data_parallel_rank(self) -> int:
         """This rank's index among the data-parallel ranks (outer dims vary slowest)."""
         index = 0
-        for name in self.mesh.mesh_dim_names if self.mesh is not None else ():
+        for name in self._named_mesh.mesh_dim_names if self.mesh is not None else ():
             if name in DATA_PARALLEL_DIMS:
                 index = index * self.size(name) + self.coordinate(name)
         return index
@@ -166,6 +215,11 @@ class Topology:
     @property
     def data_parallel_mesh(self) -> DeviceMesh | None:
         return self._dp_mesh
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The data dims without depth: the ranks that hold the same 3D tensor-parallel shard."""
+        return None if self._replica_mesh is None else self._replica_mesh.get_group()
 
     def __repr__(self) -> str:
         return f"Topology(dims={self.dims}, rank_order={self.rank_order})"

@@ -1,0 +1,91 @@
+"""Gradients of a model with 3D layers: the data-parallel reduction, and global-norm clipping.
+
+Each rank computes the mean loss of its share of the global batch (split over data x depth).
+A replicated parameter's gradient is then averaged over the data x depth ranks. A 3D weight's
+shard already holds the sum over its depth ranks (the reduce-scatter of its backward), so it is
+summed over the data ranks that hold the same shard and divided by data x depth.
+"""
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from atorch.auto.clip import clip_grad_norm
+from atorch.distributed.topology import Topology
+from atorch.intra_layer.grid import current
+
+
+def _group_of(param: torch.Tensor, topology: Topology) -> dist.ProcessGroup | None:
+    if getattr(param, "intra_layer_sharded", False):
+        replicas = topology.data_parallel_size // topology.size("depth")
+        return topology.replica_group if replicas > 1 else None
+    return topology.data_parallel_group if topology.data_parallel_size > 1 else None
+
+
+def sync_gradients(model: torch.nn.Module, topology: Topology | None = None) -> None:
+    """Reduce every gradient over the ranks that share the global batch (call after ``backward``).
+
+    Afterwards each gradient equals the serial model's on the whole global batch (with a mean
+    loss), whatever the grid: replicated parameters averaged over data x depth, 3D weight shards
+    summed over their data replicas and divided by data x depth. One all-reduce per group.
+
+    Example::
+
+        loss = loss_fn(model(batch), target)      # this rank's share of the global batch
+        loss.backward()
+        atorch.intra_layer.sync_gradients(model)
+        optimizer.step()
+    """
+    topology = topology if topology is not None else current()
+    scale = 1.0 / topology.data_parallel_size
+    buckets: dict[int, tuple[dist.ProcessGroup | None, list[torch.Tensor]]] = {}
+    for param in model.parameters():
+        if param.grad is None:
+            continue
+        group = _group_of(param, topology)
+        buckets.setdefault(id(group), (group, []))[1].append(param.grad)
+    for group, grads in buckets.values():
+        if group is not None:
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=group)
+            for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                grad.copy_(synced)
+        if scale != 1.0:
+            for grad in grads:
+                grad.mul_(scale)
+
+
+def install_gradient_sync(model: torch.nn.Module, topology: Topology | None = None) -> list:
+    """Make ``backward`` itself leave synchronized gradients (what DDP does for a plain model).
+
+    Registers a hook on every trainable parameter that applies :func:`sync_gradients`'
+    reduction to the gradient arriving from each backward, before it is accumulated into
+    ``.grad`` (so accumulating over several backwards stays correct); the ``tensor_parallel``
+    method's 3d algorithm uses it in place of DDP. Returns the hook handles.
+    """
+    topology = topology if topology is not None else current()
+    scale = 1.0 / topology.data_parallel_size
+
+    def make_hook(group):
+        def hook(grad):
+            grad = grad.clone()
+            if group is not None:
+                dist.all_reduce(grad, group=group)
+            return grad.mul_(scale)
+        return hook
+
+    return [param.register_hook(make_hook(_group_of(param, topology)))
+            for param in model.parameters() if param.requires_grad]
+
+
+def clip_grad_norm_(parameters: torch.nn.Module | Iterable[torch.Tensor], max_norm: float,
+                    norm_type: float = 2.0) -> torch.Tensor:
+    """Scale gradients so the global norm is at most ``max_norm``; return the norm before clipping.
+
+    The norm is the serial model's: each 3D weight shard counted once over the tensor ranks,
+    replicated parameters once. Call after :func:`sync_gradients`. The same helper as
+    ``atorch.auto.clip_grad_norm`` (which reads the shards' ``shard_group``).
+    """
+    return clip_grad_norm(parameters, max_norm, norm_type)
