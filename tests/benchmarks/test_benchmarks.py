@@ -1,0 +1,80 @@
+"""The benchmarks run (on toy sizes) and their shared pieces compute the right things.
+
+No timing is asserted here: numbers come from the benchmark commands, see benchmarks/README.md.
+"""
+
+import json
+
+import pytest
+
+from benchmarks import harness
+
+
+def test_spearman_matches_hand_values():
+    assert harness.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert harness.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # ranks x=[1,2,3,4], y=[1,3,2,4]: d^2 = 0+1+1+0 -> 1 - 6*2/(4*15) = 0.8
+    assert harness.spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+    # ties share the average rank
+    assert harness.spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="same length"):
+        harness.spearman([1, 2], [1])
+
+
+def test_interleave_alternates_order_and_counts_steps():
+    calls = []
+    steps = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    samples = harness.interleave(steps, repeats=3, steps_per_block=2, warmup=1)
+    assert [len(v) for v in samples.values()] == [3, 3]
+    # warm-up a, b; then blocks a a b b | b b a a | a a b b
+    assert calls == ["a", "b"] + ["a", "a", "b", "b", "b", "b", "a", "a", "a", "a", "b", "b"]
+    summary = harness.summary([3.0, 1.0, 2.0])
+    assert summary == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert harness.ratio({"x": [2.0, 4.0, 6.0], "y": [1.0, 2.0, 3.0]}, "x", "y") == pytest.approx(2.0)
+
+
+def test_overhead_benchmark_runs_and_writes_results(tmp_path):
+    from benchmarks import overhead
+
+    out = tmp_path / "overhead"
+    markdown = overhead.main(["--tiny", "--repeats", "1", "--steps", "1", "--strategies", "ddp,fsdp",
+                              "--out", str(out), "--plot", str(tmp_path / "overhead.png")])
+    payload = json.loads(out.with_suffix(".json").read_text())
+    assert [r["strategy"] for r in payload["rows"]] == ["ddp", "fsdp"]
+    assert all(r["ratio"] > 0 for r in payload["rows"])
+    assert payload["machine"]["torch"] and "| ddp |" in markdown
+    assert (tmp_path / "overhead.png").stat().st_size > 0
+
+
+def test_peers_benchmark_runs_against_accelerate(tmp_path):
+    pytest.importorskip("accelerate")
+    from benchmarks import peers
+
+    out = tmp_path / "peers"
+    peers.main(["--tiny", "--repeats", "1", "--steps", "1", "--strategies", "ddp", "--out", str(out), "--plot", ""])
+    row = json.loads(out.with_suffix(".json").read_text())["rows"][0]
+    assert row["peer"] == "accelerate" and row["ratio"] > 0
+
+
+def test_unknown_strategy_is_refused(capsys):
+    from benchmarks import overhead
+
+    with pytest.raises(SystemExit):
+        overhead.main(["--strategies", "ddp,zero9"])
+    assert "zero9" in capsys.readouterr().err
+
+
+def test_scale_counts_match_the_hand_formula_where_sharding_is_even(tmp_path):
+    from benchmarks import scale
+
+    rows = scale.run(["tiny"], [2])
+    by = {r["strategy"]: r for r in rows}
+    total = by["ddp"]["params"]
+    assert by["ddp"]["measured"] == {"params": total, "grads": total, "optim": 2 * total}
+    # Every tiny tensor's dim 0 is even, so FSDP2's shards are exactly half at 2 ranks.
+    assert by["fsdp"]["measured"]["params"] == total // 2 == by["fsdp"]["hand"]["params"]
+    assert by["zero2"]["measured"]["params"] == total
+    # ZeroRedundancyOptimizer assigns whole tensors: near half, not necessarily exactly.
+    assert abs(by["zero1"]["measured"]["optim"] - total) < 0.2 * total
+    for row in rows:
+        assert row["cost_model"] == row["hand"], row
