@@ -13,6 +13,7 @@ from atorch.methods import (  # noqa: F401
     module_replace,
     native_dynamo,
     parallel_mode,
+    pipeline_parallel,
     tensor_parallel,
     zero1,
     zero2,

@@ -148,8 +148,14 @@ class PipelineModel(nn.Module):
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self.local_named_parameters(prefix)
 
-    def forward(self, **kwargs):
-        """Training-mode call: the same as :meth:`run_train` (forward and backward of the batch)."""
+    def forward(self, *args, **kwargs):
+        """The same as :meth:`run_train` (forward and backward of the batch); a single dict
+        argument is taken as the keyword arguments."""
+        if len(args) == 1 and isinstance(args[0], dict) and not kwargs:
+            kwargs = args[0]
+        elif args:
+            raise MethodConfigError("PipelineModel takes the model's inputs as keyword arguments (or one dict); "
+                                    "name them, e.g. model(input_ids=ids, labels=labels)")
         return self.run_train(**kwargs)
 
     def run_train(self, **kwargs):

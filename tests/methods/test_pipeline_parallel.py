@@ -1,0 +1,85 @@
+"""pipeline_parallel through auto_accelerate on a tiny Llama, against the single-process run."""
+
+import pytest
+import torch
+
+from atorch.auto import Strategy
+from tests.helpers.compare import FP32_RTOL, assert_losses_close
+from tests.helpers.dist import run_distributed
+
+PP2 = ("parallel_mode", ([("pipeline", 2)], None))
+
+
+def train_pipelined(load_strategy, steps: int = 5) -> dict:
+    """The training loop of docs/pipeline.md over a tiny Llama; the losses every rank sees."""
+    import atorch
+    from atorch.auto import auto_accelerate
+    from tests.helpers.hf import CountingTokens, tiny_llama
+
+    _, result, strategy = auto_accelerate(
+        tiny_llama(), torch.optim.AdamW, CountingTokens(), lambda batch, out: out.loss, optim_args={"lr": 1e-2},
+        dataloader_args={"batch_size": 8}, model_input_format="unpack_dict", load_strategy=load_strategy,
+    )
+    losses, batches = [], iter(result.dataloader)
+    for _ in range(steps):
+        batch = result.prepare_input(next(batches), atorch.device())
+        loss = result.loss_func(batch, result.model(**batch))
+        if not result.args.get("backward_in_forward"):
+            loss.backward()
+        result.optim.step()
+        result.optim.zero_grad()
+        losses.append(loss.item())
+    local = sum(p.numel() for p in result.optim.param_groups[0]["params"])
+    return {"losses": losses, "strategy": strategy.to_json(), "optim_numel": local}
+
+
+def _schedules():
+    return {
+        "1f1b": train_pipelined([PP2, ("pipeline_parallel", {"num_microbatches": 4})]),
+        "interleaved": train_pipelined([PP2, ("pipeline_parallel", {
+            "num_microbatches": 2, "schedule": "interleaved", "virtual_pipeline_size": 2,
+            "pipeline_cuts": ["model.embed_tokens", "model.layers.0", "model.layers.1"]})]),
+    }
+
+
+def test_llama_pipeline2_matches_single_process():
+    pytest.importorskip("transformers")
+    from tests.helpers.hf import tiny_llama, train_hf
+
+    reference = train_hf([])
+    results = run_distributed(_schedules, 2)
+    total = sum(p.numel() for p in tiny_llama().parameters())
+    for name in ("1f1b", "interleaved"):
+        first, last = (r[name] for r in results)
+        assert first["losses"] == last["losses"]
+        assert_losses_close(first["losses"], reference["losses"], FP32_RTOL)
+        # the optimizer holds only the local stage's parameters
+        assert first["optim_numel"] + last["optim_numel"] == total
+    strategy = Strategy.from_json(results[0]["1f1b"]["strategy"])
+    assert strategy.opt_names == ["parallel_mode", "pipeline_parallel"]
+
+
+def test_dropped_without_a_pipeline_dim_and_conflicts_raise():
+    from atorch.auto.environment import DeviceContext
+    from atorch.auto.plan import plan_strategy
+    from atorch.errors import StrategyConflictError
+
+    device = DeviceContext(2, 2, torch.device("cpu"), None, 2**30)
+    strategy, notes = plan_strategy(Strategy(["parallel_mode", "pipeline_parallel"]), device)
+    assert strategy.opt_names == ["parallel_mode"]
+    assert any("no 'pipeline' dim" in n for n in notes)
+    with pytest.raises(StrategyConflictError, match="'pipeline_parallel' and 'fsdp'"):
+        plan_strategy(Strategy([PP2, "pipeline_parallel", "fsdp"]), DeviceContext(4, 4, torch.device("cpu"), None, 2**30))
+
+
+def test_configs_and_models_it_cannot_run_raise():
+    from atorch.auto.plan import resolve_strategy
+    from atorch.errors import MethodConfigError, NotSupportedError
+
+    with pytest.raises(MethodConfigError, match="gpipe' runs one stage per rank"):
+        resolve_strategy(torch.nn.Sequential(torch.nn.Linear(2, 2)),
+                         Strategy([("pipeline_parallel", {"schedule": "gpipe", "virtual_pipeline_size": 2})]))
+    with pytest.raises(NotSupportedError, match="does not know how Linear's forward flows"):
+        resolve_strategy(torch.nn.Linear(2, 2), Strategy(["pipeline_parallel"]))
+    with pytest.raises(MethodConfigError, match="num_microbatches"):
+        Strategy([("pipeline_parallel", {"num_microbatches": 0})])
