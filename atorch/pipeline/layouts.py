@@ -41,6 +41,7 @@ class Layout:
         return self.model.get_submodule(name)
 
     def stage_module(self, names: list[str], is_first: bool, is_last: bool) -> nn.Module:
+        """The module that runs ``names``; it holds them, in order, in an ``nn.ModuleList`` named ``units``."""
         raise NotImplementedError
 
     def model_output(self, stage_output: Any, targets: dict[str, Any]) -> Any:

@@ -89,6 +89,7 @@ class PipelineModel(nn.Module):
             stage_module = self.layout.stage_module(self.stage_units[index], index == 0, index == self.num_stages - 1)
             if stage_transform is not None:
                 stage_transform(stage_module)
+                _write_back(module, self.stage_units[index], stage_module)
             self.stage_modules.append(stage_module)
             stages.append(PipelineStage(stage_module, index, self.num_stages, self.device,
                                         group=self.topology.group("pipeline")))
@@ -233,3 +234,11 @@ def _refuse_tied_weights(module: nn.Module, stage_units: list[list[str]]) -> Non
                         f"parameter {name}.{pname} is shared by stages {owner[id(param)]} and {stage} (tied weights); "
                         "PipelineModel does not synchronize tied weights across stages: untie them (e.g. "
                         "tie_word_embeddings=False) or put both users in one stage with pipeline_cuts")
+
+
+def _write_back(module: nn.Module, names: list[str], stage_module: nn.Module) -> None:
+    """Put units a stage transform replaced (a tensor-parallel embedding or head) back into the
+    user's module, so names and local parameters keep following the running modules."""
+    for name, unit in zip(names, stage_module.units):
+        if module.get_submodule(name) is not unit:
+            module.set_submodule(name, unit)

@@ -6,31 +6,9 @@ import torch
 from atorch.auto import Strategy
 from tests.helpers.compare import FP32_RTOL, assert_losses_close
 from tests.helpers.dist import run_distributed
+from tests.pipeline.models import train_pipelined
 
 PP2 = ("parallel_mode", ([("pipeline", 2)], None))
-
-
-def train_pipelined(load_strategy, steps: int = 5) -> dict:
-    """The training loop of docs/pipeline.md over a tiny Llama; the losses every rank sees."""
-    import atorch
-    from atorch.auto import auto_accelerate
-    from tests.helpers.hf import CountingTokens, tiny_llama
-
-    _, result, strategy = auto_accelerate(
-        tiny_llama(), torch.optim.AdamW, CountingTokens(), lambda batch, out: out.loss, optim_args={"lr": 1e-2},
-        dataloader_args={"batch_size": 8}, model_input_format="unpack_dict", load_strategy=load_strategy,
-    )
-    losses, batches = [], iter(result.dataloader)
-    for _ in range(steps):
-        batch = result.prepare_input(next(batches), atorch.device())
-        loss = result.loss_func(batch, result.model(**batch))
-        if not result.args.get("backward_in_forward"):
-            loss.backward()
-        result.optim.step()
-        result.optim.zero_grad()
-        losses.append(loss.item())
-    local = sum(p.numel() for p in result.optim.param_groups[0]["params"])
-    return {"losses": losses, "strategy": strategy.to_json(), "optim_numel": local}
 
 
 def _schedules():

@@ -1,0 +1,94 @@
+"""mixed_parallel: tensor x pipeline x data parallelism (3D) in one method.
+
+Config forms: ``"mixed_parallel"`` (sizes chosen from the world size: pipeline 2 when the world
+is even, then tensor 2 when what is left is even, the rest data) or
+``("mixed_parallel", {"tensor_size": 2, "pipeline_size": 2, "num_microbatches": 4})``. The model
+is split into pipeline stages (as pipeline_parallel does) and each local stage is sharded over
+the tensor group with the tensor_parallel layers; gradients are averaged over the data ranks.
+Supports the models both halves support: Llama-style Hugging Face decoder LMs, and
+``nn.Sequential`` chains of tensor-parallel-recognized blocks.
+"""
+
+import torch
+from pydantic import Field
+
+from atorch import parallel_state
+from atorch.auto.context import ModelContext
+from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.distributed import env
+from atorch.distributed.topology import DATA_PARALLEL_DIMS, Topology
+from atorch.errors import MethodConfigError, WorldSizeError
+from atorch.parallel_layers.auto_shard import ShardingError, shard_model
+from atorch.pipeline.auto import PipelineFields, check_fields, pipeline_model
+from atorch.pipeline.layouts import layout_for
+from atorch.utils.log import logger
+
+
+class MixedParallelConfig(PipelineFields):
+    tensor_size: int | None = Field(default=None, ge=1, description="tensor-parallel ranks; None: chosen")
+    pipeline_size: int | None = Field(default=None, ge=1, description="pipeline stages' ranks; None: chosen")
+
+
+def choose_sizes(world: int, tensor: int | None, pipeline: int | None) -> tuple[int, int]:
+    """(tensor, pipeline) for ``world`` ranks: given sizes are kept, missing ones chosen (pipeline
+    2 if it divides, then tensor 2 if it divides the rest); the data dim takes what remains."""
+    if pipeline is None:
+        pipeline = 2 if world % ((tensor or 1) * 2) == 0 else 1
+    if tensor is None:
+        tensor = 2 if world % (pipeline * 2) == 0 else 1
+    if world % (tensor * pipeline):
+        raise WorldSizeError(f"mixed_parallel: tensor_size {tensor} x pipeline_size {pipeline} does not divide the "
+                             f"world size {world}; pick sizes whose product divides it")
+    return tensor, pipeline
+
+
+def resolve(model: torch.nn.Module, config: MixedParallelConfig) -> MixedParallelConfig:
+    check_fields(config)
+    layout_for(model)
+    tensor, pipeline = choose_sizes(env.world_size(), config.tensor_size, config.pipeline_size)
+    return config.model_copy(update={"tensor_size": tensor, "pipeline_size": pipeline})
+
+
+def build_topology(ctx: ModelContext, config: MixedParallelConfig) -> None:
+    given = dict(ctx.topology.dims)
+    extra = sorted(name for name, size in given.items() if size > 1 and name not in ("tensor", "pipeline", "data"))
+    if extra:
+        raise MethodConfigError(f"mixed_parallel lays out tensor, pipeline and data dims itself; parallel_mode also "
+                                f"has {extra}: drop them")
+    tensor, pipeline = config.tensor_size, config.pipeline_size
+    for name, size in (("tensor", tensor), ("pipeline", pipeline)):
+        if given.get(name, 1) > 1 and given[name] != size:
+            raise MethodConfigError(f"parallel_mode's {name} dim is {given[name]} but mixed_parallel's {name}_size is "
+                                    f"{size}; give the sizes in mixed_parallel only (parallel_mode data-only)")
+    data = ctx.device_ctx.world_size // (tensor * pipeline)
+    ctx.topology = Topology.build([("tensor", tensor), ("pipeline", pipeline), ("data", data)],
+                                  device_type=ctx.device.type)
+    parallel_state.set_topology(ctx.topology)
+    logger.info("mixed_parallel: tensor %d x pipeline %d x data %d", tensor, pipeline, data)
+
+
+def split_and_shard(ctx: ModelContext, config: MixedParallelConfig) -> None:
+    tensor = ctx.topology.size("tensor")
+    group = ctx.topology.group("tensor")
+
+    def shard(stage_module):
+        try:
+            shard_model(stage_module, group, tensor)
+        except ShardingError as error:
+            raise MethodConfigError(f"mixed_parallel: {error}") from None
+
+    pipeline_model(ctx, config, stage_transform=shard if tensor > 1 else None)
+
+
+register_method(
+    MethodSpec(
+        name="mixed_parallel",
+        config_cls=MixedParallelConfig,
+        hooks={Stage.TOPOLOGY: build_topology, Stage.REWRITE: split_and_shard},
+        description="3D parallelism: pipeline stages, each sharded over tensor ranks, replicated over data ranks",
+        distributed_only=True,
+        uses_dims=("tensor", "pipeline", *DATA_PARALLEL_DIMS),
+        conflicts=("fsdp", "zero1", "zero2", "tensor_parallel", "sequence_parallel", "pipeline_parallel"),
+        resolve=resolve,
+    )
+)
