@@ -9,7 +9,6 @@ from atorch.methods import (  # noqa: F401
     checkpoint,
     fp8,
     fsdp,
-    genomic_bottleneck,
     half,
     mixed_parallel,
     module_replace,
