@@ -6,7 +6,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from atorch.compression import GenomicBottleneck
 from tests.compression.models import (
-    LM_GNETS, CharLM, char_batches, lm_loss, regression_data, regression_model,
+    LM_GNETS,
+    CharLM,
+    char_batches,
+    lm_loss,
+    regression_data,
+    regression_model,
 )
 from tests.helpers.compare import FP32_RTOL, assert_losses_close
 from tests.helpers.dist import run_distributed

@@ -2,7 +2,14 @@ import pytest
 import torch
 
 from atorch.compression.encoding import (
-    assemble, num_bits, num_tiles, position_codes, split, tile_grid, tile_shape_for, tile_slices,
+    assemble,
+    num_bits,
+    num_tiles,
+    position_codes,
+    split,
+    tile_grid,
+    tile_shape_for,
+    tile_slices,
 )
 from atorch.errors import CompressionError
 
