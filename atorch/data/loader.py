@@ -21,9 +21,13 @@ class GlobalBatchDataLoader(DataLoader):
     batch of that epoch (skipped by index, no data is read). ``atorch.checkpoint`` saves it.
     """
 
-    def __init__(self, *args, global_batch_size: int, **kwargs):
+    def __init__(self, *args, global_batch_size: int, seed: tuple[int, int] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.global_batch_size = global_batch_size
+        # (sampler seed, data-parallel rank): each epoch's iterator draws its worker seeds from
+        # its own generator instead of the global stream, so iterating (or resuming) never moves
+        # the random numbers the model sees. None when the user passed a generator.
+        self._seed = seed if self.generator is None else None
         self._next_epoch = 0
         self._epoch = -1  # the epoch of the latest iterator; -1 before the first
         self._served = 0  # batches of that epoch handed out so far
@@ -36,6 +40,8 @@ class GlobalBatchDataLoader(DataLoader):
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(self._next_epoch)
         self._epoch, self._served = self._next_epoch, self._skip
+        if self._seed is not None:
+            self.generator = torch.Generator().manual_seed(hash((*self._seed, self._epoch)) & (2**63 - 1))
         self._next_epoch += 1
         skip, self._skip = self._skip, 0
         if skip and isinstance(self.dataset, IterableDataset):
@@ -157,5 +163,6 @@ def build_dataloader(
     if torch.cuda.is_available():
         args.setdefault("pin_memory", True)
     return GlobalBatchDataLoader(
-        dataset, batch_size=global_batch // dp_size, sampler=sampler, global_batch_size=global_batch, **args
+        dataset, batch_size=global_batch // dp_size, sampler=sampler, global_batch_size=global_batch,
+        seed=(seed, dp_rank), **args
     )
