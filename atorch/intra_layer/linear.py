@@ -82,11 +82,17 @@ class Linear(nn.Module):
         self.transpose, self.skip_bias_add = bool(transpose), bool(skip_bias_add)
         self.topology = topology if topology is not None else current()
         self._out, self._in, self._depth = _axes(self.topology, self.transpose)
-        if not divides(self.in_features, self.out_features, self.topology, self.transpose):
+        problems = []
+        if self.in_features % self._in.size:
+            problems.append(f"in_features={in_features} must divide by {self._in.size} (the input-feature group)")
+        if self.out_features % (self._out.size * self._depth.size):
+            problems.append(f"out_features={out_features} must divide by {self._out.size * self._depth.size} "
+                            "(output-feature group x depth)")
+        if problems:
             raise WorldSizeError(
-                f"intra_layer.Linear({in_features}, {out_features}, transpose={transpose}): in_features must divide "
-                f"by {self._in.size} and out_features by {self._out.size * self._depth.size} (output group x depth) "
-                "on this grid; change the sizes or the grid, or keep an nn.Linear here (auto_parallelize does)"
+                f"intra_layer.Linear({in_features}, {out_features}, transpose={transpose}) on this grid: "
+                f"{' and '.join(problems)}; change the sizes or the grid, or keep an nn.Linear here "
+                "(auto_parallelize does)"
             )
         full = torch.empty(self.out_features, self.in_features, device=device, dtype=dtype)
         # nn.Linear's initialization, drawn in full so every rank slices the same matrix.
