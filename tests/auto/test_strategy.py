@@ -24,6 +24,7 @@ ATORCH_FORMS = {
     "fp8": {"include": ["blocks"], "exclude": ["head"], "fp8_format": "E4M3", "amax_history_len": 16,
             "amax_compute_algo": "most_recent", "margin": 1, "interval": 2, "reduce_amax": False, "verbose": True},
     "zero2": {"not_use_fsdp": True},
+    "genomic_bottleneck": {"tile_size": 32, "gnet_width": 8, "ignore_layers": ["head"], "optimizer": "sgd", "lr": 0.1},
     "fsdp": {"atorch_wrap_cls": (Block,), "param_dtype": torch.bfloat16, "atorch_size_based_min_num_params": 10,
              "atorch_ignored_cls": ["LayerNorm"], "wrap_trainable_outmost": True, "reshard_after_forward": False},
 }
