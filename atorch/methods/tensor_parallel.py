@@ -5,25 +5,89 @@ Attention and MLP projections (Llama-style, BERT, GPT-2, plain MLP blocks) becom
 row-parallel layers, the embedding and output head are split by vocabulary (see
 atorch/parallel_layers/auto_shard.py for what is recognized); the math stays that of the serial
 model. Composes with DDP and fsdp over the data dim.
+
+``{"algorithm": "3d", "row": R, "col": C, "depth": D}`` (R x C x D = the tensor dim) runs AxoNN's
+3D algorithm instead (atorch/intra_layer): every plain ``nn.Linear`` that divides the grid becomes
+an ``intra_layer.Linear`` carrying its weights, the batch is split over data x depth, and
+gradient hooks take DDP's place (see docs/intra_layer.md).
 """
 
+import math
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
 from atorch.auto.registry import MethodSpec, Stage, register_method
-from atorch.errors import MethodConfigError
+from atorch.errors import MethodConfigError, StrategyConflictError
 from atorch.parallel_layers.auto_shard import ShardingError, shard_model
 from atorch.utils.log import logger
 
 
 class TensorParallelConfig(MethodConfig):
-    algorithm: Literal["megatron"] = Field(default="megatron", description="megatron: column/row-parallel layers")
+    algorithm: Literal["1d", "megatron", "3d"] = Field(
+        default="1d", description="1d (or megatron): column/row-parallel layers; 3d: AxoNN's row x col x depth grid"
+    )
+    row: int | None = Field(default=None, ge=1, description="3d only: size of the row group (unset: 1)")
+    col: int | None = Field(default=None, ge=1, description="3d only: size of the column group (unset: 1)")
+    depth: int | None = Field(default=None, ge=1, description="3d only: size of the depth group (unset: 1)")
+
+    @model_validator(mode="after")
+    def _grid_only_for_3d(self) -> "TensorParallelConfig":
+        given = [name for name in ("row", "col", "depth") if getattr(self, name) is not None]
+        if given and self.algorithm != "3d":
+            raise ValueError(f"{given} only apply to algorithm '3d'; set \"algorithm\": \"3d\" or remove them")
+        return self
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """(row, col, depth) of the 3d algorithm, unset sizes as 1."""
+        return (self.row or 1, self.col or 1, self.depth or 1)
+
+
+# Each of these would treat the depth-sharded 3D weights as replicated or ignore the 3D layout.
+_NOT_WITH_3D = ("fsdp", "zero1", "zero2", "sequence_parallel")
+
+
+def shard_3d(ctx: ModelContext, config: TensorParallelConfig) -> None:
+    from atorch.intra_layer import install_gradient_sync, parallelize_model
+
+    tensor = ctx.topology.size("tensor")
+    row, col, depth = config.grid
+    if row * col * depth != tensor:
+        raise MethodConfigError(
+            f"tensor_parallel 3d: row x col x depth = {row} x {col} x {depth} = {math.prod(config.grid)} but "
+            f"parallel_mode's tensor dim has size {tensor}; set row, col and depth so they multiply to {tensor} "
+            f"(for example {{\"algorithm\": \"3d\", \"row\": {tensor}}}) or change the tensor dim to "
+            f"{math.prod(config.grid)}"
+        )
+    clash = [name for name in _NOT_WITH_3D if ctx.strategy is not None and name in ctx.strategy]
+    if clash:
+        raise StrategyConflictError(
+            f"tensor_parallel 3d shards its weights over depth itself (ZeRO-3 inside each layer) and cannot be "
+            f"combined with {clash[0]}; remove {clash[0]} or use algorithm '1d'"
+        )
+    ctx.topology.split_tensor(row, col, depth)
+    replaced = parallelize_model(ctx.model, ctx.topology)
+    if not replaced:
+        raise MethodConfigError(
+            f"tensor_parallel 3d found no nn.Linear in {type(ctx.model).__name__} whose sizes divide the grid "
+            f"(input features by the column size {col}, output features by row x depth = {row * depth}); "
+            "change the grid or use algorithm '1d'"
+        )
+    # DDP would average the weight shards over depth, where they differ: hooks reduce each
+    # gradient over its own group instead (data x depth, or the data replicas of a shard).
+    install_gradient_sync(ctx.model, ctx.topology)
+    ctx.wrapped_by = "tensor_parallel"
+    logger.info("tensor_parallel: 3d grid row %d x col %d x depth %d, %d Linear layers: %s", row, col, depth,
+                len(replaced), ", ".join(replaced))
 
 
 def shard(ctx: ModelContext, config: TensorParallelConfig) -> None:
+    if config.algorithm == "3d":
+        shard_3d(ctx, config)
+        return
     tp = ctx.topology.size("tensor")
     sequence_parallel = ctx.strategy is not None and "sequence_parallel" in ctx.strategy
     try:
