@@ -154,6 +154,13 @@ def estimate_memory(model: torch.nn.Module, strategy: Strategy, dp_size: int, op
             if shard_optim:
                 optim_state /= dp_size
                 step_temp /= dp_size
+                if method == "zero1" and not config.use_ds_zero:
+                    # ZeroRedundancyOptimizer hands out whole tensors: some rank holds the largest
+                    # one (often the embedding), however many ranks there are.
+                    largest = max((p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
+                                  default=0) * scale
+                    optim_state = max(optim_state, largest * optim_state_factor)
+                    step_temp = max(step_temp, largest)
     if "amp_native" in names and not any(m in names for m in ("zero2", "fsdp")):
         # autocast keeps a low-precision copy of each weight it casts during forward
         gathered += sum(p.numel() * 2 for p in model.parameters())
