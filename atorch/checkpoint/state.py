@@ -1,0 +1,208 @@
+"""Model and optimizer state in one layout on disk, whatever the strategy: the serial model's.
+
+Every tensor is stored under the serial model's parameter name with its full (logical) shape,
+as torch.distributed.checkpoint (DCP) sees it:
+
+- plain modules and DDP: full tensors, written once (DCP drops the replicas);
+- FSDP2 (fsdp, zero2): the DTensors ``get_model_state_dict`` returns, each rank writing its shard;
+- Megatron-style tensor-parallel layers hold plain local slices: each becomes a DTensor over the
+  tensor group, ``Shard(partition_dim)``, so DCP sees the full weight (with FSDP2 on top, the
+  data-parallel shards are gathered first);
+- ZeroRedundancyOptimizer: each rank holds the state of its partition only; its inner optimizer
+  goes through ``get_optimizer_state_dict`` like any other, so a rank writes the state of the
+  parameters it owns and reads back exactly those (no consolidation on one rank).
+
+Optimizer state uses DCP's flattened form (``state.<name>.<key>``, ``param_groups.<name>.<key>``):
+keyed per parameter, it carries over to any partitioning of the parameters.
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from atorch.errors import NotSupportedError
+
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# Wrapper modules whose attribute name torch's state dicts leave out of parameter names.
+_WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod")
+
+
+def check_supported(model: torch.nn.Module, optim) -> None:
+    """Refuse the back-ends whose state this module cannot lay out, naming the alternative."""
+    kinds = {type(model).__module__.split(".")[0], type(optim).__module__.split(".")[0] if optim is not None else ""}
+    inner = getattr(optim, "optimizer", None)
+    if inner is not None:
+        kinds.add(type(inner).__module__.split(".")[0])
+    if "deepspeed" in kinds:
+        raise NotSupportedError(
+            "atorch.checkpoint cannot save or load a DeepSpeed engine (use_ds_zero): DeepSpeed keeps its own "
+            "partitioned state. Use zero1 or zero2 without use_ds_zero (ZeroRedundancyOptimizer / FSDP2), whose "
+            "checkpoints load under any strategy, or DeepSpeed's engine.save_checkpoint / load_checkpoint"
+        )
+    if "fairscale" in kinds:
+        raise NotSupportedError(
+            "atorch.checkpoint cannot save or load fairscale's OSS / ShardedDDP (zero2 with not_use_fsdp). Use zero2 "
+            "without not_use_fsdp (FSDP2), whose checkpoints load under any strategy"
+        )
+
+
+def split_optimizer(optim):
+    """``(torch optimizer to read and write, ZeroRedundancyOptimizer or None, GradScaler or None)``."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    scaler = getattr(optim, "scaler", None)
+    base = getattr(optim, "optimizer", optim)  # AmpOptimizer wraps the optimizer it steps
+    if isinstance(base, ZeroRedundancyOptimizer):
+        return base.optim, base, scaler  # the partition this rank owns
+    if not isinstance(base, torch.optim.Optimizer):
+        raise NotSupportedError(f"atorch.checkpoint does not know how to read optimizer {type(optim).__name__}")
+    return base, None, scaler
+
+
+def _user_module(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    while isinstance(model, DistributedDataParallel) or type(model).__name__ == "OptimizedModule":
+        model = model.module if isinstance(model, DistributedDataParallel) else model._orig_mod
+    return model
+
+
+def _canonical(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
+
+
+_MESHES: dict = {}
+
+
+def _mesh(group, device_type: str) -> DeviceMesh:
+    key = (group, device_type)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh.from_group(group, device_type)
+    return _MESHES[key]
+
+
+def tensor_parallel_shards(model: torch.nn.Module) -> dict[str, tuple[object, int]]:
+    """``{serial parameter name: (tensor group, split dim)}`` of Megatron-style split parameters."""
+    found = {}
+    for module_name, module in _user_module(model).named_modules():
+        group = getattr(module, "group", None)
+        if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if getattr(param, "tensor_model_parallel", False):
+                if getattr(module, "serial_layout", None) is not None:
+                    raise NotSupportedError(
+                        f"atorch.checkpoint cannot yet store {module_name} in the serial layout: tensor_parallel "
+                        f"rebuilt it from a transformers Conv1D ({module.serial_layout}). Save this model under "
+                        "fsdp or DDP, or export() it"
+                    )
+                found[_canonical(f"{module_name}.{name}" if module_name else name)] = (group, param.partition_dim)
+    return found
+
+
+def _owner(key: str, names) -> str | None:
+    """The parameter name that prefixes optimizer key ``state.<name>.<state key>``."""
+    if not key.startswith("state."):
+        return None
+    rest = key[len("state."):]
+    cut = rest.rfind(".")
+    while cut > 0:
+        if rest[:cut] in names:
+            return rest[:cut]
+        cut = rest.rfind(".", 0, cut)
+    return None
+
+
+def _serial(value: torch.Tensor, group, dim: int, fill: bool):
+    """``value`` (this rank's tensor-parallel slice, maybe FSDP-sharded) as a DTensor of the full
+    tensor, and the function that turns what was loaded into it back into ``value``'s kind."""
+    mesh = _mesh(group, value.device.type)
+    if not isinstance(value, DTensor):
+        # Shares storage with ``value``: what DCP loads into it lands in ``value`` itself.
+        return DTensor.from_local(value, mesh, [Shard(dim)], run_check=False), lambda loaded: value
+    # FSDP2 over the data dim on top: the data-parallel shards are gathered into the slice first.
+    local = value.full_tensor() if not fill else torch.empty(value.shape, dtype=value.dtype, device=value.device)
+    full = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False)
+    return full, lambda loaded: distribute_tensor(local, value.device_mesh, value.placements, src_data_rank=None)
+
+
+def _to_serial(state: dict, owner: Callable[[str], str | None], shards: dict, fill: bool) -> list:
+    """Replace tensor-parallel slices in ``state`` (in place); return the restore steps."""
+    restore = []
+    for key, value in list(state.items()):
+        name = owner(key)
+        if name is None or not isinstance(value, torch.Tensor) or value.ndim == 0:
+            continue
+        group, dim = shards[name]
+        state[key], back = _serial(value, group, dim, fill)
+        restore.append((key, back))
+    return restore
+
+
+def gather(model: torch.nn.Module, optim) -> dict:
+    """``{"model": ..., "optim": ...}`` of this rank, in the serial layout, ready for ``dcp.save``."""
+    check_supported(model, optim)
+    shards = tensor_parallel_shards(model)
+    state = {"model": get_model_state_dict(model)}
+    _to_serial(state["model"], lambda key: key if key in shards else None, shards, fill=False)
+    if optim is not None:
+        base, _, _ = split_optimizer(optim)
+        state["optim"] = get_optimizer_state_dict(model, base, options=_OPTIM_OPTIONS)
+        _to_serial(state["optim"], lambda key: _owner(key, shards), shards, fill=False)
+    return state
+
+
+def _initialized_state(model: torch.nn.Module, base: torch.optim.Optimizer) -> dict:
+    """This optimizer's flattened state dict with every state tensor allocated.
+
+    torch allocates the state with a zero-gradient step at lr 0 when the optimizer has none yet,
+    but skips it when gradients are present: they are set aside for that call.
+    """
+    params = [p for group in base.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    if not base.state:
+        for p in params:
+            p.grad = None
+    try:
+        return get_optimizer_state_dict(model, base, options=_OPTIM_OPTIONS)
+    finally:
+        for p, grad in zip(params, grads):
+            p.grad = grad
+
+
+def targets(model: torch.nn.Module, optim) -> tuple[dict, Callable[[dict], None]]:
+    """The state dict for ``dcp.load`` to fill, and ``finish(state)`` that puts it into the model
+    and optimizer afterwards."""
+    check_supported(model, optim)
+    shards = tensor_parallel_shards(model)
+    state = {"model": get_model_state_dict(model)}
+    restore = {"model": _to_serial(state["model"], lambda key: key if key in shards else None, shards, fill=True)}
+    base = zero = None
+    if optim is not None:
+        base, zero, _ = split_optimizer(optim)
+        state["optim"] = _initialized_state(model, base)
+        restore["optim"] = _to_serial(state["optim"], lambda key: _owner(key, shards), shards, fill=True)
+
+    def finish(loaded: dict) -> None:
+        for part, steps in restore.items():
+            for key, back in steps:
+                loaded[part][key] = back(loaded[part][key])
+        set_model_state_dict(model, loaded["model"])
+        if base is not None:
+            set_optimizer_state_dict(model, base, loaded["optim"], options=_OPTIM_OPTIONS)
+            if zero is not None:
+                # ZeroRedundancyOptimizer copies its own param_groups into the partition's at every
+                # step: they must carry the loaded hyperparameters (lr, betas, ...) too.
+                zero._sync_param_groups(base.param_groups, zero.param_groups)
+
+    return state, finish

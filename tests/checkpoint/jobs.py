@@ -1,0 +1,62 @@
+"""Training jobs the checkpoint tests save, kill, resume and reshard (run inside spawned ranks)."""
+
+import torch
+from torch import nn
+
+import atorch
+from atorch.auto import auto_accelerate
+from atorch.checkpoint.export import _full_state
+from tests.helpers.models import TinyTransformer, TokenDataset, global_mean, lm_loss
+
+STRATEGIES = {
+    "single": [],
+    "ddp": ["parallel_mode"],
+    "fsdp": ["parallel_mode", "fsdp"],
+    "zero1": ["parallel_mode", "zero1"],
+    "tp": [("parallel_mode", ([("tensor", 2)], None)), "tensor_parallel"],
+}
+
+
+class DropoutTransformer(TinyTransformer):
+    """The tiny transformer with dropout in its MLPs: resuming must restore the random streams."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        for block in self.blocks:
+            first, act, last = block.mlp
+            block.mlp = nn.Sequential(first, act, nn.Dropout(p), last)
+
+
+def build(strategy: str, seed: int = 0, dropout: float = 0.0):
+    """An auto_accelerate result: Adam, a StepLR schedule and a shuffled global batch of 8."""
+    torch.manual_seed(seed)
+    _, result, _ = auto_accelerate(
+        DropoutTransformer(dropout), torch.optim.Adam, TokenDataset(), lm_loss, optim_args={"lr": 3e-3},
+        dataloader_args={"batch_size": 8, "shuffle": True}, model_input_format="unpack_dict",
+        load_strategy=STRATEGIES[strategy], lr_scheduler_cls=torch.optim.lr_scheduler.StepLR,
+        lr_scheduler_args={"step_size": 3, "gamma": 0.5},
+    )
+    return result
+
+
+def train(result, steps: int) -> list[float]:
+    """``steps`` steps of the user's loop, epochs rolling over, the scheduler stepping; global losses."""
+    losses, batches = [], iter(result.dataloader)
+    for _ in range(steps):
+        batch = next(batches, None)
+        if batch is None:  # the epoch is over: the next one
+            batches = iter(result.dataloader)
+            batch = next(batches)
+        batch = result.prepare_input(batch, atorch.device())
+        loss = result.loss_func(batch, result.model(**batch))
+        loss.backward()
+        result.optim.step()
+        result.optim.zero_grad()
+        result.lr_scheduler.step()
+        losses.append(global_mean(loss))
+    return losses
+
+
+def full_weights(result) -> dict[str, torch.Tensor]:
+    """The serial model's weights, gathered from whatever strategy holds them."""
+    return _full_state(result.model)
