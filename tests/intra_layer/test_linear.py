@@ -54,17 +54,27 @@ def _case(topology, bias, transpose, skip_bias_add) -> dict:
 
 
 def _all_grids() -> list:
+    from benchmarks.intra_layer_comm import measure
+
+    # the benchmark's counted bytes equal its formulas (toy sizes; benchmarks/intra_layer_comm.py)
+    comm = [(r["algorithm"], r["grid"], r["block"], r["payload_bytes"], r["expected_bytes"])
+            for r in measure(sizes=[(8, 16, 8)], grids=GRIDS)]
     results = []
     for r, c, d in GRIDS:
         topology = intra_layer.init(G_intra_r=r, G_intra_c=c, G_intra_d=d)
         groups = {name: dist.get_process_group_ranks(topology.group(name)) for name in ("row", "col", "depth")}
         for variant in VARIANTS:
             results.append(((r, c, d), variant, groups, topology.data_parallel_size, _case(topology, **variant)))
-    return results
+    return results, comm
 
 
 def test_every_grid_and_variant_matches_serial_linear_on_4_ranks():
     per_rank = run_distributed(_all_grids, 4)
+    comm = per_rank[0][1]
+    assert len(comm) == 2 * (2 + len(GRIDS))  # Linear and MLP; 1D tensor 4, 1D tensor 2 x data 2, the grids
+    for algorithm, grid, block, counted, formula in comm:
+        assert counted == formula > 0, (algorithm, grid, block, counted, formula)
+    per_rank = [results for results, _ in per_rank]
     for rank, results in enumerate(per_rank):
         for grid, variant, groups, dp_size, diffs in results:
             r, c, d = grid
