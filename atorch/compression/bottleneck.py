@@ -104,6 +104,7 @@ class GenomicBottleneck:
             record.rank = owners[name]
             self._build(record)
         self._params = {name: self.model.get_parameter(name) for name in self.gnetdict}
+        self._covered_ids = {id(p) for p in self._params.values()}
         if not is_ddp:
             ignored = set(getattr(self.model, "_ddp_params_and_buffers_to_ignore", ())) | set(self.gnetdict)
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self.model, sorted(ignored))
@@ -240,12 +241,11 @@ class GenomicBottleneck:
 
     def direct_parameters(self) -> list[nn.Parameter]:
         """The p-net's trainable parameters that no g-net covers: what the user's optimizer needs."""
-        covered = {id(p) for p in self._params.values()}
-        return [p for p in self.model.parameters() if p.requires_grad and id(p) not in covered]
+        return [p for p in self.model.parameters() if p.requires_grad and id(p) not in self._covered_ids]
 
     def is_covered(self, param: torch.Tensor) -> bool:
         """Whether a g-net produces ``param``."""
-        return any(param is p for p in self._params.values())
+        return id(param) in self._covered_ids
 
     def covered_numel(self) -> int:
         """Elements of the p-net predicted by g-nets."""

@@ -17,7 +17,7 @@ from tests.helpers.compare import FP32_RTOL, assert_losses_close
 from tests.helpers.dist import run_distributed
 
 REG_GNETS = {"tile_size": 32, "gnet_width": 16, "gnet_depth": 2, "min_numel": 1000, "optimizer_args": {"lr": 1e-2}}
-REG_STEPS, LM_STEPS = 12, 120
+REG_STEPS, LM_STEPS = 12, 60
 
 
 def _covered(gnets) -> dict:
@@ -134,7 +134,7 @@ def test_char_lm_learns_at_more_than_10x_compression(runs):
     lm = runs["ranks"][0]["lm"]
     assert lm["ratio"] >= 10
     first, last = sum(lm["losses"][:5]) / 5, sum(lm["losses"][-5:]) / 5
-    assert last < 0.6 * first, (first, last)
+    assert last < 0.7 * first, (first, last)
 
 
 def test_saved_on_two_ranks_loads_in_one_process(runs):
