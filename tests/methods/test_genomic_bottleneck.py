@@ -82,3 +82,34 @@ def test_config_typos_and_conflicts_are_errors_before_anything_runs():
         auto_accelerate(TinyTransformer(), load_strategy=[("amp_native", "fp16"), ("genomic_bottleneck", CONFIG)])
     with pytest.raises(StrategyConflictError, match="half"):
         auto_accelerate(TinyTransformer(), load_strategy=["half", ("genomic_bottleneck", CONFIG)])
+
+
+def _accumulated(micro_batches: int) -> dict:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    _, result, _ = auto_accelerate(
+        model, torch.optim.SGD, optim_args={"lr": LR}, load_strategy=[("genomic_bottleneck", CONFIG)],
+        optim_param_func=lambda m: [{"params": list(m.parameters())}],  # covered weights filtered out
+    )
+    gnets = result.args["gnets"]
+    assert not any(gnets.is_covered(p) for group in result.optim.param_groups for p in group["params"])
+    first = {n: p.detach().clone() for n, p in gnets._params.items()}
+    data = TokenDataset()
+    batch = {k: torch.stack([data[i][k] for i in range(8)]) for k in ("input_ids", "labels")}
+    for step in range(2):
+        for part in range(micro_batches):
+            piece = {k: v.chunk(micro_batches)[part] for k, v in batch.items()}
+            (lm_loss(piece, result.model(**piece)) / micro_batches).backward()
+        result.optim.step()
+        result.optim.zero_grad()
+    with torch.no_grad():
+        result.model(batch["input_ids"])  # the pre-hook writes the g-nets' latest weights
+    assert not any(torch.equal(first[n], p) for n, p in gnets._params.items())
+    return {n: p.detach().clone() for n, p in result.model.named_parameters()}
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    """Two forwards and backwards per step predict once and accumulate the covered grads."""
+    whole, accumulated = _accumulated(1), _accumulated(2)
+    for name, weight in whole.items():
+        assert torch.allclose(weight, accumulated[name], atol=1e-6), name
