@@ -36,12 +36,14 @@ class GenomicOptimizer:
         self.optimizer, self.gnets = optimizer, gnets
 
     def step(self, closure=None):
+        """Grads into the g-nets, then the user's optimizer, then the g-nets' optimizers."""
         self.gnets.backward()
         result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.gnets.step()
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the user's optimizer's grads and the g-nets' (with the covered weights')."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self.gnets.zero_grad()
 
