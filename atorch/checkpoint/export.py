@@ -18,7 +18,7 @@ def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for key, value in state.gather(model, None)["model"].items():
         if isinstance(value, DTensor):
             value = value.full_tensor()
-        full[key] = value.detach().cpu()
+        full[key] = value.detach().to("cpu", copy=True)
     return full
 
 
@@ -47,8 +47,8 @@ def export(path: str | os.PathLike, model: torch.nn.Module) -> Path:
             user.save_pretrained(path, state_dict=weights, safe_serialization=safetensors)
         else:
             partial = target.with_name(target.name + ".partial")
-            # Independent, contiguous copies: safetensors refuses tensors that share memory (tied weights).
-            plain = {k: v.clone().contiguous() for k, v in weights.items()}
+            # _full_state made independent copies: safetensors refuses tensors that share memory.
+            plain = {k: v.contiguous() for k, v in weights.items()}
             if safetensors:
                 from safetensors.torch import save_file
 

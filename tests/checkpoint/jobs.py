@@ -39,10 +39,15 @@ def build(strategy: str, seed: int = 0, dropout: float = 0.0):
     return result
 
 
-def train(result, steps: int) -> list[float]:
-    """``steps`` steps of the user's loop, epochs rolling over, the scheduler stepping; global losses."""
+def train(result, steps: int, after: dict | None = None) -> list[float]:
+    """``steps`` steps of the user's loop, epochs rolling over, the scheduler stepping; global losses.
+
+    ``after[k]()`` is called once k steps are done (to save in the middle of one loop).
+    """
     losses, batches = [], iter(result.dataloader)
-    for _ in range(steps):
+    for step in range(steps):
+        if step in (after or {}):
+            after[step]()
         batch = next(batches, None)
         if batch is None:  # the epoch is over: the next one
             batches = iter(result.dataloader)
