@@ -221,5 +221,10 @@ class Topology:
         """The data dims without depth: the ranks that hold the same 3D tensor-parallel shard."""
         return None if self._replica_mesh is None else self._replica_mesh.get_group()
 
+    def __deepcopy__(self, memo) -> "Topology":
+        # Process groups cannot be copied, and a copy of a model (a dry run's pristine copy, a
+        # user's deepcopy) runs on the same processes: it shares the topology.
+        return self
+
     def __repr__(self) -> str:
         return f"Topology(dims={self.dims}, rank_order={self.rank_order})"

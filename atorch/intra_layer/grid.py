@@ -71,6 +71,9 @@ class Axis:
     size: int
     rank: int
 
+    def __deepcopy__(self, memo) -> "Axis":
+        return self  # immutable, and process groups cannot be copied
+
     @classmethod
     def of(cls, topology: Topology, name: str) -> "Axis":
         size = topology.size(name)

@@ -119,8 +119,12 @@ class Linear(nn.Module):
     def _set_parameters(self, full_weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = nn.Parameter(self.shard(full_weight))
         self.bias = None if bias is None else nn.Parameter(bias.clone())
+        self._mark_shard()
+
+    def _mark_shard(self) -> None:
         # Let sync_gradients tell the shard from replicated parameters, and the global-norm
-        # clipping (atorch/auto/clip.py) sum its pieces over the tensor ranks.
+        # clipping (atorch/auto/clip.py) sum its pieces over the tensor ranks. Parameters lose
+        # such attributes when copied (deepcopy), so forward marks the weight again if needed.
         self.weight.intra_layer_sharded = True
         self.weight.shard_group = self.topology.group("tensor") if self.topology.size("tensor") > 1 else None
 
@@ -137,6 +141,8 @@ class Linear(nn.Module):
         return comm.all_gather_dim(comm.all_gather_dim(block, 1, self._in), 0, self._out)
 
     def forward(self, x: torch.Tensor):
+        if not getattr(self.weight, "intra_layer_sharded", False):
+            self._mark_shard()
         weight = comm.gather_shards(self.weight, self._depth)
         h = comm.copy(comm.scatter(x, self._in), self._out)
         y = comm.gather(comm.reduce(F.linear(h, weight), self._in), self._out)

@@ -1,6 +1,8 @@
 """An MLP built under auto_parallelize trains like the serial model (sync_gradients, clipping,
 create_dataloader), and the errors users can run into."""
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -90,6 +92,10 @@ def _all_grids():
     with intra_layer.auto_parallelize():
         model = mlp()
     kinds = [type(m).__module__.split(".")[1] for m in model if hasattr(m, "in_features")]
+    # a deep copy (a dry run's pristine copy) shares the process groups and computes the same
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    assert torch.equal(twin(x), model(x)) and twin[0].weight.intra_layer_sharded
     return results, kinds
 
 
