@@ -7,6 +7,7 @@ To add one, write ``atorch/methods/<name>.py`` with a pydantic ``Config``, hook 
 from atorch.methods import (  # noqa: F401
     amp_native,
     checkpoint,
+    ds_3d_parallel,
     fp8,
     fsdp,
     half,

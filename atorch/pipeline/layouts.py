@@ -36,6 +36,8 @@ class Layout:
         self.layer_units = layer_units
         # The forward kwargs the first stage consumes; the others go to the loss on the last stage.
         self.inputs = inputs
+        # The kwargs the loss takes (set per batch by the DeepSpeed path).
+        self.targets: list[str] = []
 
     def module(self, name: str) -> nn.Module:
         return self.model.get_submodule(name)

@@ -78,3 +78,36 @@ def train_pipelined(load_strategy, steps: int = 5) -> dict:
     local = sum(p.numel() for p in result.optim.param_groups[0]["params"])
     kinds = sorted({type(m).__name__ for _, m in result.model.local_named_modules() if "Parallel" in type(m).__name__})
     return {"losses": losses, "strategy": strategy.to_json(), "optim_numel": local, "parallel_modules": kinds}
+
+
+class ChainData(torch.utils.data.Dataset):
+    """The samples of :func:`batches`, in order: a dataloader of batch 8 serves the same steps."""
+
+    def __init__(self):
+        self.items = [(x[i], y[i]) for x, y in batches() for i in range(BATCH)]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return {"input": self.items[i][0], "target": self.items[i][1]}
+
+
+def train_chain(load_strategy, steps: int = STEPS) -> dict:
+    """The chain model through auto_accelerate with the pipeline training loop; every rank's losses."""
+    import atorch
+    from atorch.auto import auto_accelerate
+
+    _, result, strategy = auto_accelerate(
+        chain_model(), torch.optim.SGD, ChainData(), chain_loss, optim_args={"lr": LR},
+        dataloader_args={"batch_size": BATCH}, model_input_format="unpack_dict", load_strategy=load_strategy)
+    losses, data = [], iter(result.dataloader)
+    for _ in range(steps):
+        batch = result.prepare_input(next(data), atorch.device())
+        loss = result.loss_func(batch, result.model(**batch))
+        if not result.args.get("backward_in_forward"):
+            loss.backward()
+        result.optim.step()
+        result.optim.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "strategy": strategy.to_json(), "args": dict(result.args)}
