@@ -46,6 +46,10 @@ def _case(topology, bias, transpose, skip_bias_add) -> dict:
         "w": (layer.full_weight() - serial.weight).abs().max().item(),
         "shard_numel": layer.weight.numel(),
     }
+    # the layer's own (shard-shaped) state dict loads into a layer of the same grid
+    twin = intra_layer.Linear(IN, OUT, bias=bias, transpose=transpose, topology=topology)
+    twin.load_state_dict(layer.state_dict())
+    diffs["reloaded"] = (twin.full_weight() - serial.weight).abs().max().item()
     if bias:
         grad = layer.bias.grad.clone()
         dist.all_reduce(grad, group=topology.group("depth"))  # bias is replicated: sum the depth shares
@@ -83,7 +87,7 @@ def test_every_grid_and_variant_matches_serial_linear_on_4_ranks():
             assert groups["row"] == [rank // r * r + i for i in range(r)], (grid, groups)
             assert len(groups["col"]) == c and len(groups["depth"]) == d
             assert diffs["shard_numel"] == IN * OUT // 4, (grid, diffs)
-            for key in ("out", "x_grad", "w_grad", "w", "b_grad"):
+            for key in ("out", "x_grad", "w_grad", "w", "b_grad", "reloaded"):
                 if key in diffs:
                     assert diffs[key] <= 1e-5, (rank, grid, variant, key, diffs[key])
     assert len(per_rank[0]) == len(GRIDS) * len(VARIANTS) == 24
