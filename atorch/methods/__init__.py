@@ -10,6 +10,7 @@ from atorch.methods import (  # noqa: F401
     ds_3d_parallel,
     fp8,
     fsdp,
+    genomic_bottleneck,
     half,
     mixed_parallel,
     module_replace,
