@@ -7,16 +7,27 @@ from atorch.errors import WorldSizeError
 from atorch.methods.mixed_parallel import choose_sizes
 from tests.helpers.compare import FP32_RTOL, assert_losses_close
 from tests.helpers.dist import run_distributed
-from tests.pipeline.models import train_pipelined
+from tests.pipeline.models import four_rank_runs, serial_losses, train_pipelined
 
 
-def test_llama_tensor2_pipeline2_on_4_ranks_matches_single_process():
+def _four_ranks():
+    # One 4-process spawn for every 4-rank check: spawning costs more than what runs.
+    # No sizes given: mixed_parallel chooses tensor 2 x pipeline 2 on 4 ranks.
+    return {"mixed": train_pipelined([("mixed_parallel", {"num_microbatches": 2})]), **four_rank_runs()}
+
+
+def test_llama_tensor2_pipeline2_and_pipeline_model_on_4_ranks_match_single_process():
     pytest.importorskip("transformers")
     from tests.helpers.hf import train_hf
 
     reference = train_hf([])
-    # no sizes given: mixed_parallel chooses tensor 2 x pipeline 2 on 4 ranks
-    results = run_distributed(train_pipelined, 4, [("mixed_parallel", {"num_microbatches": 2})])
+    runs = run_distributed(_four_ranks, 4)
+    # PipelineModel: 8 stages interleaved over 4 ranks, and pipeline 2 x data 2
+    chain_reference = serial_losses(6)
+    for run in runs:
+        assert_losses_close(run["interleaved"], chain_reference, FP32_RTOL)
+        assert_losses_close(run["pp2_dp2"], chain_reference, FP32_RTOL)
+    results = [run["mixed"] for run in runs]
     for result in results:
         assert result["losses"] == results[0]["losses"]
         assert {"ColumnParallelLinear", "RowParallelLinear"} <= set(result["parallel_modules"])

@@ -111,3 +111,28 @@ def train_chain(load_strategy, steps: int = STEPS) -> dict:
         result.optim.zero_grad()
         losses.append(float(loss))
     return {"losses": losses, "strategy": strategy.to_json(), "args": dict(result.args)}
+
+
+def four_rank_runs():
+    """PipelineModel on 4 ranks: 8 stages interleaved, and pipeline 2 x data 2; every rank's losses."""
+    from atorch.distributed.topology import Topology
+    from atorch.pipeline import PipelineModel
+
+    out = {}
+    # 8 stages, two per rank: interleaved 1F1B
+    model = PipelineModel(chain_model(6), num_microbatches=4, virtual_pipeline_size=2, auto_partition=True,
+                          broadcast_and_average_loss=True, loss_fn=chain_loss, schedule="interleaved")
+    out["interleaved"] = pipeline_losses(model)
+    # pipeline 2 x data 2: each data rank trains on its half of the batch
+    topology = Topology.build([("pipeline", 2), ("data", 2)])
+    model = PipelineModel(chain_model(6), num_microbatches=2, auto_partition=True, broadcast_and_average_loss=True,
+                          loss_fn=chain_loss, topology=topology)
+    optim = torch.optim.SGD(model.local_parameters(), lr=0.1)
+    half, losses = topology.data_parallel_rank, []
+    for x, y in batches():
+        part = slice(half * 4, half * 4 + 4)
+        losses.append(model.run_train(input=x[part], target=y[part]).item())
+        optim.step()
+        optim.zero_grad()
+    out["pp2_dp2"] = losses
+    return out
