@@ -85,7 +85,9 @@ def test_every_grid_and_variant_matches_serial_linear_on_4_ranks():
             assert dp_size == d, (grid, dp_size)  # depth ranks split the batch
             # row innermost, then column, then depth
             assert groups["row"] == [rank // r * r + i for i in range(r)], (grid, groups)
-            assert len(groups["col"]) == c and len(groups["depth"]) == d
+            row, col, depth = rank % r, rank // r % c, rank // (r * c)
+            assert groups["col"] == [row + r * (j + c * depth) for j in range(c)], (grid, groups)
+            assert groups["depth"] == [row + r * (col + c * k) for k in range(d)], (grid, groups)
             assert diffs["shard_numel"] == IN * OUT // 4, (grid, diffs)
             for key in ("out", "x_grad", "w_grad", "w", "b_grad", "reloaded"):
                 if key in diffs:

@@ -14,6 +14,7 @@ def _3d(dims, **grid):
 
 TENSOR4 = _3d([("tensor", 4)], row=2, depth=2)                 # batch over depth 2
 TENSOR2_DATA2 = _3d([("tensor", 2), ("data", 2)], col=2)         # batch over data 2
+CLIP = 0.5
 
 
 def _linear_kinds(model):
@@ -24,7 +25,8 @@ def _runs_and_errors():
     from atorch.auto import auto_accelerate
     from tests.helpers.models import TinyTransformer
 
-    results = [train_losses(TENSOR4), train_losses(TENSOR2_DATA2)]
+    # clipped with atorch.auto.clip_grad_norm: the norm must be the serial model's
+    results = [train_losses(TENSOR4, clip=CLIP), train_losses(TENSOR2_DATA2, clip=CLIP)]
     with pytest.raises(MethodConfigError, match=r"row x col x depth = 2 x 1 x 1 = 2 but parallel_mode's tensor dim "
                                                 r"has size 4; set row, col and depth so they multiply to 4"):
         auto_accelerate(TinyTransformer(), load_strategy=_3d([("tensor", 4)], row=2))
@@ -37,12 +39,14 @@ def _runs_and_errors():
 def test_3d_trains_like_single_process_on_4_ranks():
     from tests.helpers.dist import run_distributed
 
-    reference = train_losses([])
+    reference = train_losses([], clip=CLIP)
+    assert min(reference["norms"]) > CLIP  # clipping is active
     per_rank = run_distributed(_runs_and_errors, 4)
     for strategy_index in range(2):
         results = [rank[0][strategy_index] for rank in per_rank]
         assert_ranks_agree(results)
         assert_losses_close(results[0]["losses"], reference["losses"], FP32_RTOL)
+        assert_losses_close(results[0]["norms"], reference["norms"], FP32_RTOL)
         # weights are sharded: each rank holds less than the whole model
         assert results[0]["param_numel"] < reference["param_numel"]
     _, kinds, model_type = per_rank[0]
