@@ -19,6 +19,10 @@ def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(value, DTensor):
             value = value.full_tensor()
         full[key] = value.detach().to("cpu", copy=True)
+    if state.holder(model)[1]:  # pipeline: each rank holds its stages; every rank gets them all
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, full)
+        full = {k: v for part in parts for k, v in part.items()}
     return full
 
 
@@ -37,7 +41,7 @@ def export(path: str | os.PathLike, model: torch.nn.Module) -> Path:
     """
     path = Path(path).absolute()
     weights = _full_state(model)
-    user = state._user_module(model)
+    user = state._user_module(state.holder(model)[0])
     safetensors = importlib.util.find_spec("safetensors") is not None
     target = path / ("model.safetensors" if safetensors else "model.pt")
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -10,7 +10,9 @@ as torch.distributed.checkpoint (DCP) sees it:
   data-parallel shards are gathered first);
 - ZeroRedundancyOptimizer: each rank holds the state of its partition only; its inner optimizer
   goes through ``get_optimizer_state_dict`` like any other, so a rank writes the state of the
-  parameters it owns and reads back exactly those (no consolidation on one rank).
+  parameters it owns and reads back exactly those (no consolidation on one rank);
+- a PipelineModel (pipeline_parallel, mixed_parallel): the user's module holds every unit, those
+  of other stages on the meta device; each rank writes and reads its own stages' tensors.
 
 Optimizer state uses DCP's flattened form (``state.<name>.<key>``, ``param_groups.<name>.<key>``):
 keyed per parameter, it carries over to any partitioning of the parameters.
@@ -77,6 +79,22 @@ def _user_module(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def holder(model: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
+    """The module whose parameter names the state dicts use, and whether this rank holds only
+    part of it (a pipeline stage: the other stages' units are on the meta device)."""
+    if hasattr(model, "local_named_parameters") and isinstance(getattr(model, "_module", None), list):
+        return model._module[0], True  # PipelineModel keeps the user's module out of its children
+    return model, False
+
+
+def _model_state(model: torch.nn.Module) -> tuple[torch.nn.Module, bool, dict]:
+    module, partial = holder(model)
+    content = get_model_state_dict(module)
+    if partial:
+        content = {k: v for k, v in content.items() if not v.is_meta}
+    return module, partial, content
+
+
 def _canonical(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
 
@@ -94,7 +112,7 @@ def _mesh(group, device_type: str) -> DeviceMesh:
 def tensor_parallel_shards(model: torch.nn.Module) -> dict[str, tuple[object, int]]:
     """``{serial parameter name: (tensor group, split dim)}`` of Megatron-style split parameters."""
     found = {}
-    for module_name, module in _user_module(model).named_modules():
+    for module_name, module in _user_module(holder(model)[0]).named_modules():
         group = getattr(module, "group", None)
         if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
             continue
@@ -153,11 +171,12 @@ def gather(model: torch.nn.Module, optim) -> dict:
     """``{"model": ..., "optim": ...}`` of this rank, in the serial layout, ready for ``dcp.save``."""
     check_supported(model, optim)
     shards = tensor_parallel_shards(model)
-    state = {"model": get_model_state_dict(model)}
+    module, _, content = _model_state(model)
+    state = {"model": content}
     _to_serial(state["model"], lambda key: key if key in shards else None, shards, fill=False)
     if optim is not None:
         base, _, _ = split_optimizer(optim)
-        state["optim"] = get_optimizer_state_dict(model, base, options=_OPTIM_OPTIONS)
+        state["optim"] = get_optimizer_state_dict(module, base, options=_OPTIM_OPTIONS)
         _to_serial(state["optim"], lambda key: _owner(key, shards), shards, fill=False)
     return state
 
@@ -185,21 +204,23 @@ def targets(model: torch.nn.Module, optim) -> tuple[dict, Callable[[dict], None]
     and optimizer afterwards."""
     check_supported(model, optim)
     shards = tensor_parallel_shards(model)
-    state = {"model": get_model_state_dict(model)}
+    module, partial, content = _model_state(model)
+    state = {"model": content}
     restore = {"model": _to_serial(state["model"], lambda key: key if key in shards else None, shards, fill=True)}
     base = zero = None
     if optim is not None:
         base, zero, _ = split_optimizer(optim)
-        state["optim"] = _initialized_state(model, base)
+        state["optim"] = _initialized_state(module, base)
         restore["optim"] = _to_serial(state["optim"], lambda key: _owner(key, shards), shards, fill=True)
 
     def finish(loaded: dict) -> None:
         for part, steps in restore.items():
             for key, back in steps:
                 loaded[part][key] = back(loaded[part][key])
-        set_model_state_dict(model, loaded["model"])
+        # A pipeline stage loads its own units; the meta ones of other stages stay as they are.
+        set_model_state_dict(module, loaded["model"], options=StateDictOptions(strict=not partial))
         if base is not None:
-            set_optimizer_state_dict(model, base, loaded["optim"], options=_OPTIM_OPTIONS)
+            set_optimizer_state_dict(module, base, loaded["optim"], options=_OPTIM_OPTIONS)
             if zero is not None:
                 # ZeroRedundancyOptimizer copies its own param_groups into the partition's at every
                 # step: they must carry the loaded hyperparameters (lr, betas, ...) too.

@@ -39,10 +39,11 @@ def build(strategy: str, seed: int = 0, dropout: float = 0.0):
     return result
 
 
-def train(result, steps: int, after: dict | None = None) -> list[float]:
+def train(result, steps: int, after: dict | None = None, call=lambda model, batch: model(**batch)) -> list[float]:
     """``steps`` steps of the user's loop, epochs rolling over, the scheduler stepping; global losses.
 
-    ``after[k]()`` is called once k steps are done (to save in the middle of one loop).
+    ``after[k]()`` is called once k steps are done (to save in the middle of one loop);
+    ``call(model, batch)`` runs the model.
     """
     losses, batches = [], iter(result.dataloader)
     for step in range(steps):
@@ -53,11 +54,13 @@ def train(result, steps: int, after: dict | None = None) -> list[float]:
             batches = iter(result.dataloader)
             batch = next(batches)
         batch = result.prepare_input(batch, atorch.device())
-        loss = result.loss_func(batch, result.model(**batch))
-        loss.backward()
+        loss = result.loss_func(batch, call(result.model, batch))
+        if not result.args.get("backward_in_forward"):  # a pipeline runs backward inside its call
+            loss.backward()
         result.optim.step()
         result.optim.zero_grad()
-        result.lr_scheduler.step()
+        if result.lr_scheduler is not None:
+            result.lr_scheduler.step()
         losses.append(global_mean(loss))
     return losses
 
