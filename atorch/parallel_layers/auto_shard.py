@@ -229,7 +229,12 @@ def shard_model(model: nn.Module, group, tp: int, sequence_parallel: bool = Fals
         parent_name, _, child = name.rpartition(".")
         parent = modules[parent_name] if parent_name else model
         with torch.no_grad():
-            setattr(parent, child, build[how](modules[name]))
+            layer = build[how](modules[name])
+        if "conv1d" in how:
+            # Its weight is the transpose of the Conv1D it replaces (c_attn's rows also regrouped
+            # per rank): atorch.checkpoint reads this to store the serial layout.
+            layer.serial_layout = how
+        setattr(parent, child, layer)
         if how == "column_conv1d_qkv":
             # GPT-2 splits the fused output by split_size and infers heads from it: both per rank now.
             parent.split_size //= tp
