@@ -155,6 +155,11 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optim: Any = None, lr_
     reader = FileSystemReader(directory)
     stored = reader.read_metadata().state_dict_metadata
     content, finish = state.targets(model, optim)
+    # Saved before the optimizer's first step: hyperparameters only, and no state after loading.
+    stateless = optim is not None and not any(k.startswith("optim.state.") for k in stored)
+    held = {k: v for k, v in content.get("optim", {}).items() if stateless and k.startswith("state.")}
+    for key in held:
+        del content["optim"][key]
     _check_keys(directory, content, stored)
     wanted = {"lr_scheduler": lr_scheduler, "dataloader": dataloader}
     for name, target in wanted.items():
@@ -169,7 +174,11 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optim: Any = None, lr_
     if rng_key in stored:
         content["rng"] = {str(_rank()): b""}
     dcp.load(content, storage_reader=reader, planner=runtime.PlainDataLoadPlanner(), no_dist=not _distributed())
+    if held:
+        content["optim"].update(held)
     finish(content)
+    if stateless:
+        state.split_optimizer(optim)[0].state.clear()
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(runtime.unpack(content["lr_scheduler"]))
     if dataloader is not None:

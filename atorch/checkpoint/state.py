@@ -109,8 +109,9 @@ def _mesh(group, device_type: str) -> DeviceMesh:
     return _MESHES[key]
 
 
-def tensor_parallel_shards(model: torch.nn.Module) -> dict[str, tuple[object, int]]:
-    """``{serial parameter name: (tensor group, split dim)}`` of Megatron-style split parameters."""
+def tensor_parallel_shards(model: torch.nn.Module) -> dict[str, tuple[object, int, str | None]]:
+    """``{serial parameter name: (tensor group, split dim, layout)}`` of Megatron-style split
+    parameters; layout is None, or how tensor_parallel rebuilt a transformers Conv1D."""
     found = {}
     for module_name, module in _user_module(holder(model)[0]).named_modules():
         group = getattr(module, "group", None)
@@ -118,13 +119,8 @@ def tensor_parallel_shards(model: torch.nn.Module) -> dict[str, tuple[object, in
             continue
         for name, param in module.named_parameters(recurse=False):
             if getattr(param, "tensor_model_parallel", False):
-                if getattr(module, "serial_layout", None) is not None:
-                    raise NotSupportedError(
-                        f"atorch.checkpoint cannot yet store {module_name} in the serial layout: tensor_parallel "
-                        f"rebuilt it from a transformers Conv1D ({module.serial_layout}). Save this model under "
-                        "fsdp or DDP, or export() it"
-                    )
-                found[_canonical(f"{module_name}.{name}" if module_name else name)] = (group, param.partition_dim)
+                found[_canonical(f"{module_name}.{name}" if module_name else name)] = (
+                    group, param.partition_dim, getattr(module, "serial_layout", None))
     return found
 
 
@@ -154,6 +150,40 @@ def _serial(value: torch.Tensor, group, dim: int, fill: bool):
     return full, lambda loaded: distribute_tensor(local, value.device_mesh, value.placements, src_data_rank=None)
 
 
+def _gather_slices(local: torch.Tensor, group, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim)
+
+
+def _conv1d_serial(value: torch.Tensor, group, dim: int, layout: str, fill: bool):
+    """A slice of a layer rebuilt from a transformers Conv1D, as the full Conv1D tensor (weights
+    transposed back, c_attn's rows put back in q, k, v order), plain and alike on the tensor
+    ranks; and the function that slices what was loaded back into ``value``."""
+    from atorch.parallel_layers.auto_shard import _qkv_rows
+
+    local = value.full_tensor() if isinstance(value, DTensor) else value
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    shape = list(local.shape)
+    shape[dim] *= world
+    rows = _qkv_rows(shape[0], world) if layout == "column_conv1d_qkv" else None
+    if not fill:
+        linear = _gather_slices(local, group, dim)
+        if rows is not None:  # tensor_parallel took linear[rows]; undo it
+            linear = torch.empty_like(linear).index_copy_(0, rows, linear)
+        return (linear.t().contiguous() if linear.ndim == 2 else linear), None
+    loaded = torch.empty(shape[::-1] if len(shape) == 2 else shape, dtype=local.dtype, device=local.device)
+
+    def back(filled: torch.Tensor) -> torch.Tensor:
+        linear = filled.t() if filled.ndim == 2 else filled
+        mine = (linear[rows] if rows is not None else linear).chunk(world, dim)[rank].contiguous()
+        if isinstance(value, DTensor):
+            return distribute_tensor(mine, value.device_mesh, value.placements, src_data_rank=None)
+        return value.copy_(mine)
+
+    return loaded, back
+
+
 def _to_serial(state: dict, owner: Callable[[str], str | None], shards: dict, fill: bool) -> list:
     """Replace tensor-parallel slices in ``state`` (in place); return the restore steps."""
     restore = []
@@ -161,8 +191,11 @@ def _to_serial(state: dict, owner: Callable[[str], str | None], shards: dict, fi
         name = owner(key)
         if name is None or not isinstance(value, torch.Tensor) or value.ndim == 0:
             continue
-        group, dim = shards[name]
-        state[key], back = _serial(value, group, dim, fill)
+        group, dim, layout = shards[name]
+        if layout is not None:
+            state[key], back = _conv1d_serial(value, group, dim, layout, fill)
+        else:
+            state[key], back = _serial(value, group, dim, fill)
         restore.append((key, back))
     return restore
 
@@ -176,7 +209,13 @@ def gather(model: torch.nn.Module, optim) -> dict:
     _to_serial(state["model"], lambda key: key if key in shards else None, shards, fill=False)
     if optim is not None:
         base, _, _ = split_optimizer(optim)
+        fresh = base.state_dict() if not base.state else None
         state["optim"] = get_optimizer_state_dict(module, base, options=_OPTIM_OPTIONS)
+        if fresh is not None:
+            # torch allocated the state with a zero step at lr 0 (Adam's step count is then 1):
+            # this job goes on as if never saved, and the checkpoint says "no state yet".
+            base.load_state_dict(fresh)
+            state["optim"] = {k: v for k, v in state["optim"].items() if not k.startswith("state.")}
         _to_serial(state["optim"], lambda key: _owner(key, shards), shards, fill=False)
     return state
 
