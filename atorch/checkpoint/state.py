@@ -109,6 +109,24 @@ def _mesh(group, device_type: str) -> DeviceMesh:
     return _MESHES[key]
 
 
+def _split_dims(module: torch.nn.Module) -> dict[str, int]:
+    """``{parameter name: split dim}`` of a tensor-parallel layer's own parameters."""
+    from atorch.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
+
+    # By layer class: FSDP2 replaces the parameters by DTensors, which lose the Megatron
+    # attributes (tensor_model_parallel, partition_dim) set on the originals.
+    if isinstance(module, ColumnParallelLinear):
+        dims = {"weight": 0, "bias": 0}
+    elif isinstance(module, RowParallelLinear):
+        dims = {"weight": 1}
+    elif isinstance(module, ParallelEmbedding):
+        dims = {"weight": 1 if module.shard_across_embedding else 0}
+    else:
+        dims = {name: p.partition_dim for name, p in module.named_parameters(recurse=False)
+                if getattr(p, "tensor_model_parallel", False)}
+    return {name: dim for name, dim in dims.items() if getattr(module, name, None) is not None}
+
+
 def tensor_parallel_shards(model: torch.nn.Module) -> dict[str, tuple[object, int, str | None]]:
     """``{serial parameter name: (tensor group, split dim, layout)}`` of Megatron-style split
     parameters; layout is None, or how tensor_parallel rebuilt a transformers Conv1D."""
@@ -117,10 +135,9 @@ def tensor_parallel_shards(model: torch.nn.Module) -> dict[str, tuple[object, in
         group = getattr(module, "group", None)
         if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
             continue
-        for name, param in module.named_parameters(recurse=False):
-            if getattr(param, "tensor_model_parallel", False):
-                found[_canonical(f"{module_name}.{name}" if module_name else name)] = (
-                    group, param.partition_dim, getattr(module, "serial_layout", None))
+        for name, dim in _split_dims(module).items():
+            found[_canonical(f"{module_name}.{name}" if module_name else name)] = (
+                group, dim, getattr(module, "serial_layout", None))
     return found
 
 
