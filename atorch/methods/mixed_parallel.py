@@ -77,7 +77,7 @@ def split_and_shard(ctx: ModelContext, config: MixedParallelConfig) -> None:
         except ShardingError as error:
             raise MethodConfigError(f"mixed_parallel: {error}") from None
 
-    pipeline_model(ctx, config, stage_transform=shard if tensor > 1 else None)
+    pipeline_model(ctx, config, "mixed_parallel", stage_transform=shard if tensor > 1 else None)
 
 
 register_method(

@@ -26,7 +26,7 @@ def resolve(model: torch.nn.Module, config: PipelineParallelConfig) -> PipelineP
 
 
 def split(ctx: ModelContext, config: PipelineParallelConfig) -> None:
-    pipeline_model(ctx, config)
+    pipeline_model(ctx, config, "pipeline_parallel")
 
 
 register_method(

@@ -46,7 +46,7 @@ def _first(loss):
     return loss if not isinstance(loss, (tuple, list)) else loss[0]
 
 
-def pipeline_model(ctx: ModelContext, config: PipelineFields, stage_transform=None) -> None:
+def pipeline_model(ctx: ModelContext, config: PipelineFields, method: str, stage_transform=None) -> None:
     """Replace ``ctx.model`` with a PipelineModel over ``ctx.topology``; adjust loss and args."""
     if ctx.model_input_format not in (None, "unpack_dict"):
         raise MethodConfigError(
@@ -59,6 +59,6 @@ def pipeline_model(ctx: ModelContext, config: PipelineFields, stage_transform=No
         topology=ctx.topology, stage_transform=stage_transform, device=ctx.device,
     )
     # The model's gradients are averaged over the data ranks by PipelineModel: no DDP on top.
-    ctx.wrapped_by = "pipeline"
+    ctx.wrapped_by = method
     ctx.loss_func = lambda batch, loss: loss
     ctx.args["backward_in_forward"] = True

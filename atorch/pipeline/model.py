@@ -94,6 +94,7 @@ class PipelineModel(nn.Module):
             stages.append(PipelineStage(stage_module, index, self.num_stages, self.device,
                                         group=self.topology.group("pipeline")))
         self.stages = stages
+        _mark_shards(self.local_parameters(), self.topology)
         self.has_first = 0 in self.local_stage_ids
         self.has_last = self.num_stages - 1 in self.local_stage_ids
         self._schedule = build_schedule(self.schedule_name, stages, num_microbatches, self._microbatch_loss)
@@ -242,3 +243,20 @@ def _write_back(module: nn.Module, names: list[str], stage_module: nn.Module) ->
     for name, unit in zip(names, stage_module.units):
         if module.get_submodule(name) is not unit:
             module.set_submodule(name, unit)
+
+
+def _mark_shards(params, topology: Topology) -> None:
+    """Tell ``atorch.auto.clip_grad_norm`` (which sums a parameter's norm over its ``shard_group``)
+    that each pipeline rank holds different parameters, and a tensor-parallel shard is also
+    different across the tensor ranks, so it computes the whole model's norm."""
+    if topology.size("pipeline") == 1:
+        return
+    pipeline_tensor = None
+    if topology.size("tensor") > 1:  # every rank flattens (a collective), whatever it holds
+        names = sorted(("pipeline", "tensor"), key=topology.mesh.mesh_dim_names.index)
+        pipeline_tensor = topology.submesh(*names)._flatten("pipeline_tensor").get_group()
+    for param in params:
+        if getattr(param, "shard_group", None) is not None:
+            continue
+        sharded = getattr(param, "tensor_model_parallel", False) and pipeline_tensor is not None
+        param.shard_group = pipeline_tensor if sharded else topology.group("pipeline")

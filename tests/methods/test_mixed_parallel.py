@@ -32,6 +32,7 @@ def test_llama_tensor2_pipeline2_and_pipeline_model_on_4_ranks_match_single_proc
         assert result["losses"] == results[0]["losses"]
         assert {"ColumnParallelLinear", "RowParallelLinear"} <= set(result["parallel_modules"])
     assert_losses_close(results[0]["losses"], reference["losses"], FP32_RTOL)
+    assert results[0]["norm"] == pytest.approx(_serial_first_norm(), rel=1e-5)
     config = Strategy.from_json(results[0]["strategy"]).get("mixed_parallel")
     assert (config.tensor_size, config.pipeline_size) == (2, 2)
 
@@ -43,3 +44,14 @@ def test_sizes_are_chosen_or_checked():
     assert choose_sizes(8, 4, None) == (4, 2)
     with pytest.raises(WorldSizeError, match="does not divide the world size 4"):
         choose_sizes(4, 3, 1)
+
+
+def _serial_first_norm() -> float:
+    import torch
+
+    from tests.helpers.hf import CountingTokens, tiny_llama
+
+    model, data = tiny_llama(), CountingTokens()
+    ids = torch.stack([data[i]["input_ids"] for i in range(8)])
+    model(input_ids=ids, labels=ids).loss.backward()
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item()

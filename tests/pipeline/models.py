@@ -57,7 +57,8 @@ def pipeline_losses(model, steps: int = STEPS) -> list[float]:
 
 
 def train_pipelined(load_strategy, steps: int = 5) -> dict:
-    """The training loop of docs/pipeline.md over a tiny Llama; the losses every rank sees."""
+    """The training loop of docs/pipeline.md over a tiny Llama; the losses every rank sees and the
+    first step's gradient norm."""
     import atorch
     from atorch.auto import auto_accelerate
     from tests.helpers.hf import CountingTokens, tiny_llama
@@ -72,12 +73,17 @@ def train_pipelined(load_strategy, steps: int = 5) -> dict:
         loss = result.loss_func(batch, result.model(**batch))
         if not result.args.get("backward_in_forward"):
             loss.backward()
+        if not losses:  # the whole model's gradient norm at the first step (max_norm too large to clip)
+            from atorch.auto import clip_grad_norm
+
+            norm = clip_grad_norm(result.model, 1e9).item()
         result.optim.step()
         result.optim.zero_grad()
         losses.append(loss.item())
     local = sum(p.numel() for p in result.optim.param_groups[0]["params"])
     kinds = sorted({type(m).__name__ for _, m in result.model.local_named_modules() if "Parallel" in type(m).__name__})
-    return {"losses": losses, "strategy": strategy.to_json(), "optim_numel": local, "parallel_modules": kinds}
+    return {"losses": losses, "strategy": strategy.to_json(), "optim_numel": local, "parallel_modules": kinds,
+            "norm": norm}
 
 
 class ChainData(torch.utils.data.Dataset):

@@ -31,6 +31,13 @@ def _two_rank_runs():
                               schedule=schedule)
         out[(schedule, virtual)] = {"losses": pipeline_losses(model), "units": model.local_units,
                                     "numel": sum(p.numel() for p in model.local_parameters())}
+    # atorch.auto.clip_grad_norm over a pipelined model: the whole model's norm
+    from atorch.auto import clip_grad_norm
+
+    model = PipelineModel(chain_model(), num_microbatches=2, auto_partition=True, loss_fn=chain_loss)
+    x, y = batches()[0]
+    model.run_train(input=x, target=y)
+    out["norm"] = clip_grad_norm(model, 1e9).item()
     # A model built on the meta device: each rank materializes only its stage.
     reference = chain_model().state_dict()
     meta = chain_model(device="meta")
@@ -49,12 +56,24 @@ def _two_rank_runs():
     out["eval"] = model.run_eval(input=x, target=y)
     with pytest.raises(WorldSizeError, match="multiple of num_microbatches"):
         model.run_train(input=x[:3], target=y[:3])
+    with pytest.raises(MethodConfigError, match="'1f1b' with 1 microbatches"):
+        PipelineModel(chain_model(), num_microbatches=1, auto_partition=True, loss_fn=chain_loss)
+    # The bubble benchmark's measurement on toy sizes (its timings are not checked here).
+    from benchmarks.pipeline_bubble import run
+
+    out["bubble_rows"] = run([2], width=8, layers=4, micro=2, repeats=1, steps=1)
     return out
 
 
-def test_schedules_on_2_ranks_match_serial():
+@pytest.fixture(scope="module")
+def two_ranks():
+    # One spawn for every 2-rank check of this file: spawning costs more than the runs.
+    return run_distributed(_two_rank_runs, 2)
+
+
+def test_schedules_on_2_ranks_match_serial(two_ranks):
     reference = serial_losses()
-    results = run_distributed(_two_rank_runs, 2)
+    results = two_ranks
     for schedule, virtual, _ in TWO_RANK_RUNS:
         runs = [r[(schedule, virtual)] for r in results]
         assert runs[0]["losses"] == runs[1]["losses"]  # broadcast_and_average_loss: every rank has it
@@ -62,6 +81,11 @@ def test_schedules_on_2_ranks_match_serial():
         # each rank holds only its own stages
         assert set(runs[0]["units"]).isdisjoint(runs[1]["units"])
         assert runs[0]["numel"] + runs[1]["numel"] == sum(p.numel() for p in chain_model().parameters())
+    serial = chain_model()
+    x, y = batches()[0]
+    chain_loss({"target": y}, serial(x)).backward()
+    serial_norm = torch.nn.utils.clip_grad_norm_(serial.parameters(), 1e9).item()
+    assert results[0]["norm"] == pytest.approx(serial_norm, rel=1e-5) == results[1]["norm"]
     first, last = results
     assert first["meta_units"] == ["0", "1", "2"] and last["meta_units"] == ["3", "4", "5"]
     assert first["meta_still_meta"] == ["3", "4", "5"] and last["meta_still_meta"] == ["0", "1", "2"]
@@ -74,6 +98,20 @@ def test_schedules_on_2_ranks_match_serial():
 
 # PipelineModel on 4 ranks (interleaved, pipeline x data) shares the 4-process spawn of
 # tests/methods/test_mixed_parallel.py: spawning 4 processes costs more than what they run.
+
+
+def test_bubble_benchmark_reports_its_measurements(two_ranks, tmp_path):
+    from argparse import Namespace
+
+    from benchmarks.pipeline_bubble import report
+
+    rows = two_ranks[0]["bubble_rows"]
+    assert [r["microbatches"] for r in rows] == [2] and rows[0]["theory_1f1b"] == 1.5
+    assert all(rows[0][k]["median"] > 0 for k in ("ideal", "1f1b", "interleaved"))
+    args = Namespace(out=str(tmp_path / "bubble"), plot=str(tmp_path / "bubble.png"), nproc=2, width=8, layers=4,
+                     micro=2, repeats=1, steps=1)
+    markdown = report(rows, args)
+    assert "| 2 |" in markdown and (tmp_path / "bubble.json").is_file() and (tmp_path / "bubble.png").is_file()
 
 
 def test_cuts_are_checked():
