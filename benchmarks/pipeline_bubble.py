@@ -112,7 +112,7 @@ def run(microbatches: list[int], width: int, layers: int, micro: int, repeats: i
     return rows
 
 
-def plot(path: Path, rows: list[dict], nproc: int) -> Path | None:
+def plot(path: Path, rows: list[dict], nproc: int, load: dict | None = None) -> Path | None:
     try:
         import matplotlib
 
@@ -131,7 +131,8 @@ def plot(path: Path, rows: list[dict], nproc: int) -> Path | None:
     ax.set_xticks(ms, [str(m) for m in ms])
     ax.set_xlabel("microbatches per step")
     ax.set_ylabel("step time / ideal (compute only)")
-    ax.set_title(f"Pipeline bubble, {nproc} gloo ranks on CPU")
+    busy = f", load avg {load['before']:.1f} on {load['cpus']} cores" if load else ""
+    ax.set_title(f"Pipeline bubble, {nproc} gloo ranks on CPU{busy}", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -146,14 +147,17 @@ def report(rows: list[dict], args) -> str:
              f"{r['theory_1f1b']:.2f}", harness.fmt_ms(r["interleaved"]["median"]),
              f"{r['ratio_interleaved']:.2f} / {r['alone_interleaved']:.2f}", f"{r['theory_interleaved']:.2f}"]
             for r in rows]
-    markdown = harness.table(["microbatches", "ideal ms (together)", "ideal ms (alone)", "1F1B ms",
+    load = getattr(args, "load", None)
+    note = (f"Load average {load['before']:.1f} before, {load['after']:.1f} after, on {load['cpus']} cores.\n\n"
+            if load else "")
+    markdown = note + harness.table(["microbatches", "ideal ms (together)", "ideal ms (alone)", "1F1B ms",
                               "1F1B / ideal (together / alone)", "theory", f"interleaved (v={VIRTUAL}) ms",
                               "interleaved / ideal (together / alone)", "theory"], body)
     harness.write(args.out, {"nproc": args.nproc, "width": args.width, "layers": args.layers,
                              "microbatch_size": args.micro, "repeats": args.repeats, "steps_per_block": args.steps,
                              "load_average": getattr(args, "load", None), "rows": rows}, markdown)
     if args.plot:
-        plot(Path(args.plot), rows, args.nproc)
+        plot(Path(args.plot), rows, args.nproc, getattr(args, "load", None))
     return markdown
 
 
