@@ -6,7 +6,7 @@ import torch
 from atorch.auto import Strategy
 from tests.helpers.compare import FP32_RTOL, assert_losses_close
 from tests.helpers.dist import run_distributed
-from tests.pipeline.models import train_pipelined
+from tests.pipeline.models import serial_losses, train_chain, train_pipelined
 
 PP2 = ("parallel_mode", ([("pipeline", 2)], None))
 
@@ -17,6 +17,9 @@ def _schedules():
         "interleaved": train_pipelined([PP2, ("pipeline_parallel", {
             "num_microbatches": 2, "schedule": "interleaved", "virtual_pipeline_size": 2,
             "pipeline_cuts": ["model.embed_tokens", "model.layers.0", "model.layers.1"]})]),
+        # a loaded pipeline strategy dry-run by the search before it is applied
+        "dry_run": train_chain([PP2, ("pipeline_parallel", {"num_microbatches": 2})],
+                               ignore_dryrun_on_load_strategy=False),
     }
 
 
@@ -33,6 +36,8 @@ def test_llama_pipeline2_matches_single_process():
         assert_losses_close(first["losses"], reference["losses"], FP32_RTOL)
         # the optimizer holds only the local stage's parameters
         assert first["optim_numel"] + last["optim_numel"] == total
+    for result in results:
+        assert_losses_close(result["dry_run"]["losses"], serial_losses(), FP32_RTOL)
     strategy = Strategy.from_json(results[0]["1f1b"]["strategy"])
     assert strategy.opt_names == ["parallel_mode", "pipeline_parallel"]
 

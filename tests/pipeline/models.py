@@ -99,14 +99,15 @@ class ChainData(torch.utils.data.Dataset):
         return {"input": self.items[i][0], "target": self.items[i][1]}
 
 
-def train_chain(load_strategy, steps: int = STEPS) -> dict:
+def train_chain(load_strategy, steps: int = STEPS, **kwargs) -> dict:
     """The chain model through auto_accelerate with the pipeline training loop; every rank's losses."""
     import atorch
     from atorch.auto import auto_accelerate
 
     _, result, strategy = auto_accelerate(
         chain_model(), torch.optim.SGD, ChainData(), chain_loss, optim_args={"lr": LR},
-        dataloader_args={"batch_size": BATCH}, model_input_format="unpack_dict", load_strategy=load_strategy)
+        dataloader_args={"batch_size": BATCH}, model_input_format="unpack_dict", load_strategy=load_strategy,
+        **kwargs)
     losses, data = [], iter(result.dataloader)
     for _ in range(steps):
         batch = result.prepare_input(next(data), atorch.device())
