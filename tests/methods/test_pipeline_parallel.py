@@ -45,12 +45,14 @@ def test_llama_pipeline2_matches_single_process():
 def test_dropped_without_a_pipeline_dim_and_conflicts_raise():
     from atorch.auto.environment import DeviceContext
     from atorch.auto.plan import plan_strategy
-    from atorch.errors import StrategyConflictError
+    from atorch.errors import StrategyConflictError, WorldSizeError
 
     device = DeviceContext(2, 2, torch.device("cpu"), None, 2**30)
     strategy, notes = plan_strategy(Strategy(["parallel_mode", "pipeline_parallel"]), device)
     assert strategy.opt_names == ["parallel_mode"]
     assert any("no 'pipeline' dim" in n for n in notes)
+    with pytest.raises(WorldSizeError, match="need a multiple of 3 processes but the world size is 2"):
+        plan_strategy(Strategy([("parallel_mode", ([("pipeline", 3)], None)), "pipeline_parallel"]), device)
     with pytest.raises(StrategyConflictError, match="'pipeline_parallel' and 'fsdp'"):
         plan_strategy(Strategy([PP2, "pipeline_parallel", "fsdp"]), DeviceContext(4, 4, torch.device("cpu"), None, 2**30))
 
