@@ -50,6 +50,10 @@ class Layout:
         """What the whole model's forward would return, from the last stage's output."""
         return stage_output
 
+    def check_kwargs(self, names: list[str]) -> None:
+        """Raise for forward kwargs this layout cannot honour (on every rank, before the schedule
+        starts, so no rank is left waiting for one that failed)."""
+
     def materialize_shared(self, device: torch.device) -> None:
         """Rebuild the modules every stage uses (buffers only) after a meta-device build."""
 
@@ -137,15 +141,18 @@ class DecoderLMLayout(Layout):
         return {"attention_mask": mask, "position_ids": position_ids,
                 "position_embeddings": base.rotary_emb(hidden, position_ids=position_ids)}
 
-    def model_output(self, stage_output, targets):
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        unknown = sorted(set(targets) - {"labels"})
+    def check_kwargs(self, names):
+        unknown = sorted(set(names) - {"input_ids", "labels"})
         if unknown:
             raise NotSupportedError(
                 f"PipelineModel runs decoder LMs on input_ids and labels only; {unknown} are not passed between "
                 "stages (a padding attention_mask or custom position_ids would be ignored); drop them"
             )
+
+    def model_output(self, stage_output, targets):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        self.check_kwargs(list(targets))
         labels = targets.get("labels")
         loss = None
         if labels is not None:

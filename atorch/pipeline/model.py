@@ -176,6 +176,7 @@ class PipelineModel(nn.Module):
         return self._run(kwargs, train=False)
 
     def _run(self, kwargs, train: bool):
+        self.layout.check_kwargs(list(kwargs))
         self._microbatches = split_batch(kwargs, self.num_microbatches)
         inputs = self.layout.inputs or list(kwargs)[:1]
         missing = [name for name in inputs if name not in kwargs]

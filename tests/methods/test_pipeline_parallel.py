@@ -68,3 +68,17 @@ def test_configs_and_models_it_cannot_run_raise():
         resolve_strategy(torch.nn.Linear(2, 2), Strategy(["pipeline_parallel"]))
     with pytest.raises(MethodConfigError, match="num_microbatches"):
         Strategy([("pipeline_parallel", {"num_microbatches": 0})])
+
+
+def test_decoder_layout_refuses_inputs_it_would_drop():
+    pytest.importorskip("transformers")
+    from atorch.errors import NotSupportedError
+    from atorch.pipeline.layouts import DecoderLMLayout, layout_for
+    from tests.helpers.hf import tiny_llama
+
+    layout = layout_for(tiny_llama())
+    assert isinstance(layout, DecoderLMLayout) and layout.units[0] == "model.embed_tokens"
+    assert layout.units[-2:] == ["model.norm", "lm_head"]
+    layout.check_kwargs(["input_ids", "labels"])
+    with pytest.raises(NotSupportedError, match=r"\['attention_mask'\] are not passed between stages"):
+        layout.check_kwargs(["input_ids", "attention_mask", "labels"])
