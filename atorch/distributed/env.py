@@ -43,9 +43,26 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
     kwargs = {}
     if timeout_s is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        kwargs.update(_store_of_this_attempt(kwargs.get("timeout")))
     dist.init_process_group(backend=backend, **kwargs)
     logger.info("process group started: backend=%s world_size=%d", backend, dist.get_world_size())
     return True
+
+
+def _store_of_this_attempt(timeout: datetime.timedelta | None) -> dict:
+    """torchrun's agent store, under a prefix for this restart attempt.
+
+    After ``--max-restarts`` restarts the workers, they find the agent's store still holding the
+    previous attempt's keys (gloo's peer addresses among them); a new rank could read a dead
+    peer's address and fail to connect ("connectFullMesh failed ... Connection refused") or wait
+    until the timeout. A prefix per attempt keeps each attempt to its own keys.
+    """
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout or datetime.timedelta(minutes=5))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"atorch/attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def rank() -> int:
