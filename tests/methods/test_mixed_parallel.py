@@ -1,4 +1,7 @@
-"""mixed_parallel (tensor x pipeline x data) through auto_accelerate against the serial run."""
+"""mixed_parallel (tensor x pipeline x data) through auto_accelerate against the serial run; the
+other 4-rank pipeline checks share its spawn."""
+
+import importlib.util
 
 import pytest
 
@@ -7,16 +10,22 @@ from atorch.errors import WorldSizeError
 from atorch.methods.mixed_parallel import choose_sizes
 from tests.helpers.compare import FP32_RTOL, assert_losses_close
 from tests.helpers.dist import run_distributed
-from tests.pipeline.models import four_rank_runs, serial_losses, train_pipelined
+from tests.pipeline.models import four_rank_runs, serial_losses, train_chain, train_pipelined
+
+DS_PP2_DP2 = [("parallel_mode", ([("pipeline", 2), ("data", 2)], None)), ("ds_3d_parallel", {"num_microbatches": 2})]
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 
 def _four_ranks():
     # One 4-process spawn for every 4-rank check: spawning costs more than what runs.
     # No sizes given: mixed_parallel chooses tensor 2 x pipeline 2 on 4 ranks.
-    return {"mixed": train_pipelined([("mixed_parallel", {"num_microbatches": 2})]), **four_rank_runs()}
+    runs = {"mixed": train_pipelined([("mixed_parallel", {"num_microbatches": 2})]), **four_rank_runs()}
+    if HAS_DEEPSPEED:  # ds_3d_parallel over pipeline 2 x data 2
+        runs["deepspeed"] = train_chain(DS_PP2_DP2)["losses"]
+    return runs
 
 
-def test_llama_tensor2_pipeline2_and_pipeline_model_on_4_ranks_match_single_process():
+def test_llama_tensor2_pipeline2_and_pipeline_model_and_deepspeed_on_4_ranks_match_single_process():
     pytest.importorskip("transformers")
     from tests.helpers.hf import train_hf
 
@@ -27,6 +36,8 @@ def test_llama_tensor2_pipeline2_and_pipeline_model_on_4_ranks_match_single_proc
     for run in runs:
         assert_losses_close(run["interleaved"], chain_reference, FP32_RTOL)
         assert_losses_close(run["pp2_dp2"], chain_reference, FP32_RTOL)
+        if HAS_DEEPSPEED:
+            assert_losses_close(run["deepspeed"], serial_losses(), FP32_RTOL)
     results = [run["mixed"] for run in runs]
     for result in results:
         assert result["losses"] == results[0]["losses"]
