@@ -62,34 +62,29 @@ def loss_func(batch, logits):
     return F.cross_entropy(logits.reshape(-1, VOCAB), batch["labels"].reshape(-1))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ckpt-dir", required=True, help="where the latest checkpoint lives")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--save-every", type=int, default=10)
-    parser.add_argument("--strategy", default="fsdp", choices=["ddp", "fsdp", "zero1"])
-    parser.add_argument("--kill-at-step", type=int, default=None, help="rank 1 SIGKILLs itself here on the first attempt")
-    args = parser.parse_args()
-
-    atorch.init_distributed()
+def train(ckpt_dir: str, steps: int, save_every: int, strategy: str = "fsdp", kill_at_step: int | None = None,
+          timeout_s: float | None = None) -> dict:
+    """The training job: resumes from ``ckpt_dir`` when a checkpoint is there; returns the global
+    loss of each step it ran (``{step: loss}``). ``timeout_s``: how long a collective may wait."""
+    # A collective that waits on a dead rank fails after timeout_s, and torchrun restarts the job.
+    atorch.init_distributed(timeout_s=timeout_s)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)
-    strategy = ["parallel_mode"] + ([] if args.strategy == "ddp" else [args.strategy])
     _, result, _ = atorch.auto_accelerate(
         TinyLM(), torch.optim.AdamW, NextToken(), loss_func, optim_args={"lr": 3e-3},
         dataloader_args={"batch_size": 16, "shuffle": True}, model_input_format="unpack_dict",
-        load_strategy=strategy, lr_scheduler_cls=torch.optim.lr_scheduler.StepLR,
-        lr_scheduler_args={"step_size": 10, "gamma": 0.7},
+        load_strategy=["parallel_mode"] + ([] if strategy == "ddp" else [strategy]),
+        lr_scheduler_cls=torch.optim.lr_scheduler.StepLR, lr_scheduler_args={"step_size": 10, "gamma": 0.7},
     )
     model, optim, scheduler, loader = result.model, result.optim, result.lr_scheduler, result.dataloader
-    step = 0
-    if ckpt.exists(args.ckpt_dir):
-        step = ckpt.load(args.ckpt_dir, model, optim, scheduler, loader)["step"]
+    step, losses = 0, {}
+    if ckpt.exists(ckpt_dir):
+        step = ckpt.load(ckpt_dir, model, optim, scheduler, loader)["step"]
         if atorch.rank() == 0:
             print(f"attempt {attempt}: resumed from step {step}", flush=True)
 
     batches = iter(loader)
-    while step < args.steps:
+    while step < steps:
         batch = next(batches, None)
         if batch is None:  # end of an epoch
             batches = iter(loader)
@@ -105,14 +100,28 @@ def main() -> None:
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(loss)
             loss /= atorch.world_size()
+        losses[step] = loss.item()
         if atorch.rank() == 0:
-            print(f"step {step:4d} loss {loss.item():.7f}", flush=True)
-        if step == args.kill_at_step and attempt == 0 and atorch.rank() == 1:
+            print(f"step {step:4d} loss {losses[step]:.7f}", flush=True)
+        if step == kill_at_step and attempt == 0 and atorch.rank() == 1:
             os.kill(os.getpid(), signal.SIGKILL)  # a crash: no clean-up, no goodbye
-        if step % args.save_every == 0 or step == args.steps:
-            ckpt.save(args.ckpt_dir, model, optim, scheduler, loader, extra={"step": step})
+        if step % save_every == 0 or step == steps:
+            ckpt.save(ckpt_dir, model, optim, scheduler, loader, extra={"step": step})
     if atorch.rank() == 0:
-        print(f"done: {step} steps, final loss {loss.item():.7f}", flush=True)
+        print(f"done: {step} steps, final loss {losses[step]:.7f}", flush=True)
+    return losses
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt-dir", required=True, help="where the latest checkpoint lives")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--strategy", default="fsdp", choices=["ddp", "fsdp", "zero1"])
+    parser.add_argument("--kill-at-step", type=int, default=None, help="rank 1 SIGKILLs itself here on the first attempt")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait before failing")
+    args = parser.parse_args()
+    train(args.ckpt_dir, args.steps, args.save_every, args.strategy, args.kill_at_step, args.timeout)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

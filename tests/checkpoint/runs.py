@@ -127,6 +127,15 @@ def build_gpt2(strategy):
     return result
 
 
+def build_llama(strategy):
+    from tests.helpers.hf import CountingTokens, tiny_llama
+
+    _, result, _ = auto_accelerate(tiny_llama(), torch.optim.AdamW, CountingTokens(), lambda batch, out: out.loss,
+                                   optim_args={"lr": 1e-2}, dataloader_args={"batch_size": 8},
+                                   model_input_format="unpack_dict", load_strategy=strategy)
+    return result
+
+
 def transformers_save(directory: str) -> dict:
     from tests.helpers.hf import tiny_llama
 
@@ -152,9 +161,22 @@ def refused_backends(directory: str) -> dict:
     return {"fairscale": "saved"}
 
 
+def elastic_reference(directory: str) -> dict:
+    """examples/elastic_train.py run straight through (test_elastic.py compares the killed run)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "elastic_train.py"
+    spec = importlib.util.spec_from_file_location("elastic_train", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.train(f"{directory}/elastic", steps=12, save_every=4)
+
+
 def first(directory: str) -> dict:
     return {"resume": resume_first(directory), "reshard": reshard_save(directory),
-            "pipeline": pipeline_save(directory), "transformers": transformers_save(directory)}
+            "pipeline": pipeline_save(directory), "transformers": transformers_save(directory),
+            "elastic": elastic_reference(directory)}
 
 
 def second(directory: str, saved: dict) -> dict:
