@@ -1,7 +1,9 @@
 """save / load: one checkpoint format for every strategy, written atomically."""
 
+import contextlib
 import os
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,14 @@ def _distributed() -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
+
+
+@contextlib.contextmanager
+def _single_process_is_fine():
+    """DCP warns on every call without a process group; one process is a supported case here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _from_rank0(value):
@@ -104,7 +114,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optim: Any = None, lr_
     save_id = _from_rank0(uuid.uuid4().hex[:12])
     tmp = io.temporary_dir(path, save_id)
     _on_rank0(lambda: io.prepare(path))
-    dcp.save(content, storage_writer=FileSystemWriter(tmp), no_dist=not _distributed())
+    with _single_process_is_fine():
+        dcp.save(content, storage_writer=FileSystemWriter(tmp), no_dist=not _distributed())
     info = {
         "world_size": dist.get_world_size() if _distributed() else 1,
         "saved_from": _strategy_of(model, optim),
@@ -173,7 +184,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optim: Any = None, lr_
     rng_key = f"rng.{_rank()}"
     if rng_key in stored:
         content["rng"] = {str(_rank()): b""}
-    dcp.load(content, storage_reader=reader, planner=runtime.PlainDataLoadPlanner(), no_dist=not _distributed())
+    with _single_process_is_fine():
+        dcp.load(content, storage_reader=reader, planner=runtime.PlainDataLoadPlanner(), no_dist=not _distributed())
     if held:
         content["optim"].update(held)
     finish(content)
