@@ -42,11 +42,13 @@ def _divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-def _mark(param: nn.Parameter, dim: int) -> nn.Parameter:
+def _mark(param: nn.Parameter, dim: int, group) -> nn.Parameter:
     # Attributes other tools read to know how a parameter is split (Megatron's names).
     param.tensor_model_parallel = True
     param.partition_dim = dim
     param.partition_stride = 1
+    if group is not None:
+        param.shard_group = group  # atorch.auto.clip_grad_norm sums this piece's norm over it
     return param
 
 
@@ -83,9 +85,9 @@ class ColumnParallelLinear(nn.Module):
         # reduce-scatters the summed gradient), so this layer must not all-reduce it again.
         self.input_is_gathered = False
         rows = slice(rank * self.output_size_per_partition, (rank + 1) * self.output_size_per_partition)
-        self.weight = _mark(nn.Parameter(_linear_weight(output_size, input_size, dtype, device)[rows].clone()), 0)
+        self.weight = _mark(nn.Parameter(_linear_weight(output_size, input_size, dtype, device)[rows].clone()), 0, self.group)
         if bias:
-            self.bias = _mark(nn.Parameter(_linear_bias(output_size, input_size, dtype, device)[rows].clone()), 0)
+            self.bias = _mark(nn.Parameter(_linear_bias(output_size, input_size, dtype, device)[rows].clone()), 0, self.group)
         else:
             self.register_parameter("bias", None)
 
@@ -123,7 +125,7 @@ class RowParallelLinear(nn.Module):
         if sequence_parallel_enabled and not input_is_parallel:
             raise ValueError("sequence_parallel_enabled needs input_is_parallel=True (Megatron's layout)")
         cols = slice(rank * self.input_size_per_partition, (rank + 1) * self.input_size_per_partition)
-        self.weight = _mark(nn.Parameter(_linear_weight(output_size, input_size, dtype, device)[:, cols].clone()), 1)
+        self.weight = _mark(nn.Parameter(_linear_weight(output_size, input_size, dtype, device)[:, cols].clone()), 1, self.group)
         if bias:
             self.bias = nn.Parameter(_linear_bias(output_size, input_size, dtype, device))
             # Under sequence parallelism each rank adds the bias to its own tokens: its gradient
@@ -164,11 +166,11 @@ class ParallelEmbedding(nn.Module):
         init_method(full)
         if shard_across_embedding:
             width = _divide(embedding_dim, self.world, "embedding_dim")
-            self.weight = _mark(nn.Parameter(full[:, rank * width:(rank + 1) * width].clone()), 1)
+            self.weight = _mark(nn.Parameter(full[:, rank * width:(rank + 1) * width].clone()), 1, self.group)
         else:
             rows = _divide(num_embeddings, self.world, "num_embeddings")
             self.vocab_start, self.vocab_end = rank * rows, (rank + 1) * rows
-            self.weight = _mark(nn.Parameter(full[self.vocab_start:self.vocab_end].clone()), 0)
+            self.weight = _mark(nn.Parameter(full[self.vocab_start:self.vocab_end].clone()), 0, self.group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.shard_across_embedding:
@@ -206,9 +208,9 @@ def column_from_linear(linear: nn.Linear, group, gather_output: bool = False,
     layer = ColumnParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
                                  gather_output=gather_output, sequence_parallel_enabled=sequence_parallel_enabled,
                                  dtype=linear.weight.dtype, device="meta", group=group)
-    layer.weight = _mark(nn.Parameter(_take(linear.weight, 0, group), linear.weight.requires_grad), 0)
+    layer.weight = _mark(nn.Parameter(_take(linear.weight, 0, group), linear.weight.requires_grad), 0, group)
     if linear.bias is not None:
-        layer.bias = _mark(nn.Parameter(_take(linear.bias, 0, group), linear.bias.requires_grad), 0)
+        layer.bias = _mark(nn.Parameter(_take(linear.bias, 0, group), linear.bias.requires_grad), 0, group)
     return layer
 
 
@@ -218,7 +220,7 @@ def row_from_linear(linear: nn.Linear, group, input_is_parallel: bool = True,
     layer = RowParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
                               input_is_parallel=input_is_parallel, sequence_parallel_enabled=sequence_parallel_enabled,
                               dtype=linear.weight.dtype, device="meta", group=group)
-    layer.weight = _mark(nn.Parameter(_take(linear.weight, 1, group), linear.weight.requires_grad), 1)
+    layer.weight = _mark(nn.Parameter(_take(linear.weight, 1, group), linear.weight.requires_grad), 1, group)
     if linear.bias is not None:
         layer.bias = nn.Parameter(linear.bias.detach().clone(), linear.bias.requires_grad)
         layer.bias.sequence_parallel = sequence_parallel_enabled
@@ -231,6 +233,6 @@ def embedding_from(embedding: nn.Embedding, group) -> ParallelEmbedding:
         raise ValueError("an nn.Embedding with max_norm cannot be split over ranks (its renormalization is per row)")
     layer = ParallelEmbedding(embedding.num_embeddings, embedding.embedding_dim, init_method=lambda t: t,
                               dtype=embedding.weight.dtype, device="meta", group=group)
-    layer.weight = _mark(nn.Parameter(_take(embedding.weight, 0, group), embedding.weight.requires_grad), 0)
+    layer.weight = _mark(nn.Parameter(_take(embedding.weight, 0, group), embedding.weight.requires_grad), 0, group)
     layer.padding_idx = embedding.padding_idx
     return layer

@@ -257,7 +257,7 @@ def _mark_shards(params, topology: Topology) -> None:
         names = sorted(("pipeline", "tensor"), key=topology.mesh.mesh_dim_names.index)
         pipeline_tensor = topology.submesh(*names)._flatten("pipeline_tensor").get_group()
     for param in params:
-        if getattr(param, "shard_group", None) is not None:
-            continue
+        if getattr(param, "shard_group", None) is not None and not getattr(param, "tensor_model_parallel", False):
+            continue  # a tensor-parallel slice's group is widened to pipeline x tensor below
         sharded = getattr(param, "tensor_model_parallel", False) and pipeline_tensor is not None
         param.shard_group = pipeline_tensor if sharded else topology.group("pipeline")

@@ -12,10 +12,12 @@ TP2 = [("parallel_mode", ([("tensor", 2), ("data", 1)], None)), "tensor_parallel
 
 
 def test_plain_mlp_blocks_tp2_match_single_process():
-    reference = train_losses([], optim=torch.optim.AdamW, lr=1e-2)
-    results = run_distributed(train_losses, 2, TP2, optim=torch.optim.AdamW, lr=1e-2)
+    reference = train_losses([], optim=torch.optim.AdamW, lr=1e-2, clip=1e9)
+    results = run_distributed(train_losses, 2, TP2, optim=torch.optim.AdamW, lr=1e-2, clip=1e9)
     assert_ranks_agree(results)
     assert_losses_close(results[0]["losses"], reference["losses"], FP32_RTOL)
+    # clip_grad_norm sums the split weights' norms over the tensor group: the serial norm
+    assert results[0]["norms"] == pytest.approx(reference["norms"], rel=FP32_RTOL)
     # each rank holds half of every MLP matrix and of the embedding
     assert results[0]["param_numel"] < reference["param_numel"]
     assert Strategy.from_json(results[0]["strategy"]).opt_names == ["parallel_mode", "tensor_parallel"]
