@@ -7,6 +7,7 @@ Timing rules (these machines are shared and noisy, so only ratios taken side by 
 - a benchmark reports medians with min and max over the repetitions, and ratios of medians.
 """
 
+import argparse
 import json
 import platform
 import statistics
@@ -146,6 +147,29 @@ def ratio_plot(path: str | Path, labels: list[str], series: dict[str, list[float
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def parser(doc: str, name: str, option: str, known, repeats: int, steps: int, tiny: str) -> argparse.ArgumentParser:
+    """The command line every timed benchmark shares: --nproc, --repeats, --steps, ``--<option>``
+    (a comma-separated choice from ``known``), --tiny, --out and --plot (defaults named ``name``)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--steps", type=int, default=steps, help="steps per timed block")
+    p.add_argument(f"--{option}", default=",".join(known), help=f"comma-separated, from {list(known)}")
+    p.add_argument("--tiny", action="store_true", help=tiny)
+    p.add_argument("--out", default=str(RESULTS / name))
+    p.add_argument("--plot", default=str(IMAGES / f"{name}.png"))
+    return p
+
+
+def choices(p: argparse.ArgumentParser, text: str, known, what: str) -> list[str]:
+    """The names in comma-separated ``text``; an unknown one ends the command with the known list."""
+    names = [n for n in text.split(",") if n]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        p.error(f"unknown {what} {unknown}; choose from {list(known)}")
+    return names
 
 
 def fmt_ms(seconds: float) -> str:

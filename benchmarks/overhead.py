@@ -8,7 +8,6 @@ interleaved blocks of steps. The figure of merit is the ratio of median step tim
 atorch / hand-written (goal: at or under 1.02).
 """
 
-import argparse
 import functools
 import sys
 from pathlib import Path
@@ -90,19 +89,10 @@ def report(rows: list[dict], size: Size, nproc: int, repeats: int, steps: int, o
 
 
 def main(argv=None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=5, help="steps per timed block")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma-separated, from {list(STRATEGIES)}")
-    parser.add_argument("--tiny", action="store_true", help="a toy size that only shows the benchmark runs")
-    parser.add_argument("--out", default=str(harness.RESULTS / "overhead"))
-    parser.add_argument("--plot", default=str(harness.IMAGES / "overhead.png"))
+    parser = harness.parser(__doc__, "overhead", "strategies", STRATEGIES, repeats=7, steps=5,
+                            tiny="a toy size that only shows the benchmark runs")
     args = parser.parse_args(argv)
-    names = [n for n in args.strategies.split(",") if n]
-    unknown = sorted(set(names) - set(STRATEGIES))
-    if unknown:
-        parser.error(f"unknown strategies {unknown}; choose from {list(STRATEGIES)}")
+    names = harness.choices(parser, args.strategies, STRATEGIES, "strategies")
     size = TINY if args.tiny else Size()
     from tests.helpers.dist import run_distributed
 

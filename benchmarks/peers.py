@@ -10,7 +10,6 @@ Accelerate's FSDP plugin is not compared: on a CPU-only machine Accelerate prepa
 the plugin says. The figure of merit is atorch / peer, median step times (goal: <= 1.0).
 """
 
-import argparse
 import functools
 import sys
 from pathlib import Path
@@ -116,19 +115,10 @@ def report(rows, size: Size, nproc: int, repeats: int, steps: int, out: str, plo
 
 
 def main(argv=None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=5, help="steps per timed block")
-    parser.add_argument("--strategies", default=",".join(ROWS), help=f"comma-separated, from {list(ROWS)}")
-    parser.add_argument("--tiny", action="store_true", help="a toy size that only shows the benchmark runs")
-    parser.add_argument("--out", default=str(harness.RESULTS / "peers"))
-    parser.add_argument("--plot", default=str(harness.IMAGES / "peers.png"))
+    parser = harness.parser(__doc__, "peers", "strategies", ROWS, repeats=7, steps=5,
+                            tiny="a toy size that only shows the benchmark runs")
     args = parser.parse_args(argv)
-    names = [n for n in args.strategies.split(",") if n]
-    unknown = sorted(set(names) - set(ROWS))
-    if unknown:
-        parser.error(f"unknown strategies {unknown}; choose from {list(ROWS)}")
+    names = harness.choices(parser, args.strategies, ROWS, "strategies")
     size = TINY if args.tiny else Size()
     from tests.helpers.dist import run_distributed
 

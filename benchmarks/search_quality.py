@@ -15,7 +15,6 @@ timed against each other in interleaved blocks. Figures of merit: picked / best 
 (goal >= 0.95) and search wall time / exhaustive wall time (goal <= 0.25).
 """
 
-import argparse
 import functools
 import json
 import sys
@@ -135,19 +134,10 @@ def report(results: dict, nproc: int, out: str, plot: str | None) -> str:
 
 
 def main(argv=None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=3, help="steps per timed block (picked vs best)")
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, from {list(SCENARIOS)}")
-    parser.add_argument("--tiny", action="store_true", help="toy sizes that only show the benchmark runs")
-    parser.add_argument("--out", default=str(harness.RESULTS / "search_quality"))
-    parser.add_argument("--plot", default=str(harness.IMAGES / "search_quality.png"))
+    parser = harness.parser(__doc__, "search_quality", "scenarios", SCENARIOS, repeats=5, steps=3,
+                            tiny="toy sizes that only show the benchmark runs")
     args = parser.parse_args(argv)
-    names = [n for n in args.scenarios.split(",") if n]
-    unknown = sorted(set(names) - set(SCENARIOS))
-    if unknown:
-        parser.error(f"unknown scenarios {unknown}; choose from {list(SCENARIOS)}")
+    names = harness.choices(parser, args.scenarios, SCENARIOS, "scenarios")
     from tests.helpers.dist import run_distributed
 
     results = run_distributed(functools.partial(run, names, args.tiny, args.repeats, args.steps), args.nproc,
