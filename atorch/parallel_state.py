@@ -10,9 +10,11 @@ these getters are a convenience for user code.
     parallel_state.get_tensor_model_parallel_group(as_list=True)   # [[0, 1], [2, 3]] on 4 ranks
 """
 
+import math
+
 import torch.distributed as dist
 
-from atorch.distributed.topology import Topology
+from atorch.distributed.topology import DATA_PARALLEL_DIMS, TENSOR_SUB_DIMS, Topology
 from atorch.errors import WorldSizeError
 
 _CURRENT: Topology | None = None
@@ -59,24 +61,24 @@ def _topology() -> Topology:
     return _CURRENT
 
 
-def _groups_as_list(name: str) -> list[list[int]]:
-    topo = _topology()
-    if topo.mesh is None or name not in topo.mesh.mesh_dim_names:
+def _groups_as_list(*names: str) -> list[list[int]]:
+    """The rank lists of the groups spanning ``names`` (dims of the named mesh, the 3D sub-dims
+    included), each list ordered as the group's ranks are numbered (outer dims slowest)."""
+    mesh = _topology().named_mesh
+    if mesh is None:
         return [[r] for r in range(dist.get_world_size() if dist.is_initialized() else 1)]
-    index = topo.mesh.mesh_dim_names.index(name)
-    ranks = topo.mesh.mesh.movedim(index, -1).reshape(-1, topo.size(name))
-    return ranks.tolist()
+    dims = list(mesh.mesh_dim_names)
+    if "tensor" in names and "tensor" not in dims:  # split into row x col x depth: they span it
+        names = (*names, *TENSOR_SUB_DIMS)
+    inside = [i for i, n in enumerate(dims) if n in names]
+    outside = [i for i in range(len(dims)) if i not in inside]
+    size = math.prod(mesh.mesh.shape[i] for i in inside)
+    return mesh.mesh.permute(*outside, *inside).reshape(-1, size).tolist()
 
 
 def _data_groups_as_list() -> list[list[int]]:
-    topo = _topology()
-    if topo.mesh is None:
-        return [[0]]
-    names = list(topo.mesh.mesh_dim_names)
-    dp = [i for i, n in enumerate(names) if n in ("data", "zero")]
-    other = [i for i in range(len(names)) if i not in dp]
-    ranks = topo.mesh.mesh.permute(*other, *dp).reshape(-1, topo.data_parallel_size)
-    return ranks.tolist()
+    # Every data-parallel dim, depth included: its ranks see different samples (AxoNN's G_intra_d).
+    return _groups_as_list(*DATA_PARALLEL_DIMS)
 
 
 def get_tensor_model_parallel_size() -> int:

@@ -137,6 +137,12 @@ class Topology:
         """The mesh whose dim names are looked up: with the tensor sub-dims once split."""
         return self._split_mesh if self._split_mesh is not None else self.mesh
 
+    @property
+    def named_mesh(self) -> DeviceMesh | None:
+        """The mesh with every named dim, the tensor sub-dims (row, col, depth) in place of
+        ``tensor`` once :meth:`split_tensor` ran; ``None`` without a process group."""
+        return self._named_mesh
+
     def split_tensor(self, row: int, col: int, depth: int) -> None:
         """Split the ``tensor`` dim into ``row`` x ``col`` x ``depth`` sub-dims (a collective call).
 
