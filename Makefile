@@ -5,8 +5,12 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# The CPU build of torch; a bare `pip install torch` would fetch a multi-GB CUDA build.
+# torch comes from wherever pip is configured to look (index, --find-links, cache): a wheel
+# already there is used as is, offline. From PyPI itself, torch for Linux x86_64 is the CUDA
+# build (several GB with its nvidia-* wheels); for the CPU-only build name PyTorch's CPU index:
+#   make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_PIN ?= torch==2.13.0
+TORCH_INDEX ?=
 
 .PHONY: setup example test clean
 
@@ -15,7 +19,7 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 $(VENV)/.installed: setup.py $(BIN)/python
-	$(BIN)/pip install --quiet $(TORCH_PIN)
+	$(BIN)/pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH_PIN)
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 
