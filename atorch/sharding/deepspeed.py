@@ -28,6 +28,10 @@ def deepspeed_config(ctx: ModelContext, stage: int, user_config: dict[str, Any] 
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": stage},
+        # DeepSpeed's ZeRO optimizer clips at norm 1.0 unless told otherwise, which changed the
+        # updates of any model whose gradient norm passed 1; atorch clips only when asked
+        # (ds_config={"gradient_clipping": x}, or clip_grad_norm in the loop).
+        "gradient_clipping": 0.0,
     }
     amp = ctx.strategy.get("amp_native") if ctx.strategy is not None else None
     if amp is not None:
