@@ -113,7 +113,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optim: Any = None, lr_
 
     save_id = _from_rank0(uuid.uuid4().hex[:12])
     tmp = io.temporary_dir(path, save_id)
-    _on_rank0(lambda: io.prepare(path))
+    _on_rank0(lambda: io.prepare(path, tmp))
     with _single_process_is_fine():
         dcp.save(content, storage_writer=FileSystemWriter(tmp), no_dist=not _distributed())
     info = {

@@ -1,11 +1,13 @@
 """Checkpoint directories on disk: written aside, published by a rename, validated before reading.
 
-A save writes into ``<path>.tmp-<id>``. Once every rank's files and DCP's ``.metadata`` are
-there, rank 0 writes the manifest (``atorch_checkpoint.json``: every file and its size), then
-moves the previous checkpoint aside (``<path>.old-<id>``), renames the new one into place and
-only then deletes the old one. A crash at any point leaves at least one complete checkpoint:
-``<path>`` itself, or (in the instant between the two renames) a complete sibling that
-:func:`resolve` finds and the next save moves back into place.
+A save writes into ``<path>.tmp-<id>``, which rank 0 first claims with a marker file naming it.
+Once every rank's files and DCP's ``.metadata`` are there, rank 0 writes the manifest
+(``atorch_checkpoint.json``: every file and its size), then moves the previous checkpoint aside
+(``<path>.old-<id>``, marked first), renames the new one into place and only then deletes the old
+one. A crash at any point leaves at least one complete checkpoint: ``<path>`` itself, or (in the
+instant between the two renames) a complete sibling that :func:`resolve` finds and the next save
+moves back into place. A save removes only the leftovers whose marker names them: a folder a user
+made beside the checkpoint is never touched.
 """
 
 import datetime
@@ -18,9 +20,11 @@ from atorch.errors import CheckpointError
 from atorch.utils.log import logger
 
 MANIFEST = "atorch_checkpoint.json"
+MARKER = ".atorch_save"
 FORMAT = "atorch-checkpoint"
 VERSION = 1
 _SIDE = (".tmp-", ".old-")
+_NOT_LISTED = (MANIFEST, MANIFEST + ".partial", MARKER, MARKER + ".partial")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -42,18 +46,34 @@ def temporary_dir(path: Path, save_id: str) -> Path:
 
 
 def _siblings(path: Path) -> list[Path]:
-    """Leftovers of earlier saves to ``path``: ``.tmp-*`` and ``.old-*`` directories."""
+    """Directories named like leftovers of saves to ``path`` (``.tmp-*``, ``.old-*``): ours or a user's."""
     if not path.parent.is_dir():
         return []
     prefixes = tuple(path.name + side for side in _SIDE)
     return [p for p in path.parent.iterdir() if p.name.startswith(prefixes) and p.is_dir()]
 
 
+def mark(folder: Path, name: str) -> None:
+    """Claim ``folder`` for a save: a marker inside names the folder name it is valid under."""
+    partial = folder / (MARKER + ".partial")
+    partial.write_text(json.dumps({"made_by": "atorch.checkpoint.save", "folder": name}))
+    os.replace(partial, folder / MARKER)
+
+
+def _own(folder: Path) -> bool:
+    """Whether ``folder`` is a leftover of a save: its marker names it. A copy a user made of a
+    checkpoint (``ck.old-manual-backup``) carries the marker of another name, and is kept."""
+    try:
+        return json.loads((folder / MARKER).read_text()).get("folder") == folder.name
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def write_manifest(directory: Path, info: dict) -> None:
     """Record every file of the finished checkpoint in ``directory`` with its size (rank 0)."""
     files = {
         str(p.relative_to(directory)): p.stat().st_size
-        for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST
+        for p in sorted(directory.rglob("*")) if p.is_file() and p.name not in _NOT_LISTED
     }
     if ".metadata" not in files:
         raise CheckpointError(f"{directory}: torch.distributed.checkpoint wrote no .metadata; the save did not finish")
@@ -78,6 +98,7 @@ def publish(tmp: Path, path: Path, save_id: str) -> None:
     old = None
     if path.exists():
         old = path.with_name(f"{path.name}.old-{save_id}")
+        mark(path, old.name)  # so that a crash right after the rename leaves a folder provably ours
         os.rename(path, old)
     os.rename(tmp, path)
     _fsync_dir(path.parent)
@@ -85,10 +106,14 @@ def publish(tmp: Path, path: Path, save_id: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def prepare(path: Path) -> None:
-    """Before a save (rank 0): recover a checkpoint a crash left beside ``path``, drop the rest."""
+def prepare(path: Path, tmp: Path) -> None:
+    """Before a save (rank 0): recover a checkpoint a crash left beside ``path``, drop the other
+    leftovers of earlier saves, and create ``tmp`` with its marker."""
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"{path} exists and is not a directory; atorch checkpoints are directories, pick another path")
+    if path.is_dir() and not (path / MANIFEST).is_file() and any(path.iterdir()):
+        raise CheckpointError(f"{path} exists and is not an atorch checkpoint (it has no {MANIFEST}); save would "
+                              "replace it: pick another path, or move that directory away")
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
         found = _complete_siblings(path)
@@ -96,7 +121,12 @@ def prepare(path: Path) -> None:
             logger.warning("checkpoint: %s was missing; restoring %s left by an interrupted save", path, found[0])
             os.rename(found[0], path)
     for leftover in _siblings(path):
-        shutil.rmtree(leftover, ignore_errors=True)
+        if _own(leftover):
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            logger.info("checkpoint: keeping %s: it is named like a leftover of a save but was not made by one", leftover)
+    tmp.mkdir()
+    mark(tmp, tmp.name)
 
 
 def read_manifest(directory: Path) -> dict:
@@ -135,9 +165,11 @@ def validate(directory: Path) -> dict:
 
 
 def _complete_siblings(path: Path) -> list[Path]:
-    """Complete leftovers of interrupted saves, newest first."""
+    """Complete leftovers of interrupted saves (only those marked as such), newest first."""
     found = []
     for candidate in _siblings(path):
+        if not _own(candidate):
+            continue
         try:
             found.append((validate(candidate)["saved_at"], candidate))
         except CheckpointError:
