@@ -2,12 +2,12 @@
 
 A save writes into ``<path>.tmp-<id>``, which rank 0 first claims with a marker file naming it.
 Once every rank's files and DCP's ``.metadata`` are there, rank 0 writes the manifest
-(``atorch_checkpoint.json``: every file and its size), then moves the previous checkpoint aside
-(``<path>.old-<id>``, marked first), renames the new one into place and only then deletes the old
-one. A crash at any point leaves at least one complete checkpoint: ``<path>`` itself, or (in the
-instant between the two renames) a complete sibling that :func:`resolve` finds and the next save
-moves back into place. A save removes only the leftovers whose marker names them: a folder a user
-made beside the checkpoint is never touched.
+(``atorch_checkpoint.json``: every file with its size and SHA-256, and a checksum of the manifest
+itself), moves the previous checkpoint aside (``<path>.old-<id>``, marked first), renames the new
+one into place and only then deletes the old one. A crash at any point leaves at least one
+complete checkpoint: ``<path>`` itself, or (in the instant between the two renames) a complete
+sibling that :func:`resolve` finds and the next save moves back into place. A save removes only
+the leftovers whose marker names them: a folder a user made beside the checkpoint is never touched.
 """
 
 import datetime
@@ -16,13 +16,15 @@ import os
 import shutil
 from pathlib import Path
 
+from atorch.checkpoint import integrity, safe_pickle
 from atorch.errors import CheckpointError
 from atorch.utils.log import logger
 
 MANIFEST = "atorch_checkpoint.json"
 MARKER = ".atorch_save"
 FORMAT = "atorch-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: files carry a sha256 and the manifest checks itself; 1: sizes only
+SELF_CHECK = "manifest_sha256"
 _SIDE = (".tmp-", ".old-")
 _NOT_LISTED = (MANIFEST, MANIFEST + ".partial", MARKER, MARKER + ".partial")
 
@@ -69,14 +71,24 @@ def _own(folder: Path) -> bool:
         return False
 
 
-def write_manifest(directory: Path, info: dict) -> None:
-    """Record every file of the finished checkpoint in ``directory`` with its size (rank 0)."""
+def list_files(directory: Path) -> dict[str, int]:
+    """``{name: size}`` of the files a finished save wrote into ``directory`` (rank 0)."""
     files = {
         str(p.relative_to(directory)): p.stat().st_size
         for p in sorted(directory.rglob("*")) if p.is_file() and p.name not in _NOT_LISTED
     }
     if ".metadata" not in files:
         raise CheckpointError(f"{directory}: torch.distributed.checkpoint wrote no .metadata; the save did not finish")
+    return files
+
+
+def _self_digest(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != SELF_CHECK}
+    return integrity.digest(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def write_manifest(directory: Path, info: dict, files: dict[str, dict]) -> None:
+    """Record every file of the finished checkpoint in ``directory`` with its size and checksum (rank 0)."""
     manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -84,6 +96,7 @@ def write_manifest(directory: Path, info: dict) -> None:
         **info,
         "files": files,
     }
+    manifest[SELF_CHECK] = _self_digest(manifest)
     partial = directory / (MANIFEST + ".partial")
     with open(partial, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
@@ -130,7 +143,10 @@ def prepare(path: Path, tmp: Path) -> None:
 
 
 def read_manifest(directory: Path) -> dict:
-    """The manifest of ``directory``; :class:`CheckpointError` when it is absent or unreadable."""
+    """The manifest of ``directory``; :class:`CheckpointError` when it is absent, unreadable or altered.
+
+    Version 1 manifests (sizes only) are read as ``{"files": {name: {"size": n}}}``.
+    """
     file = directory / MANIFEST
     if not file.is_file():
         raise CheckpointError(
@@ -138,30 +154,67 @@ def read_manifest(directory: Path) -> dict:
             "finish, or a directory written by something else); load the previous checkpoint instead"
         )
     try:
-        manifest = json.loads(file.read_text())
+        manifest = json.loads(file.read_bytes().decode())
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{file} cannot be read ({error}); the checkpoint is corrupt") from None
-    if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"{file} is not an atorch checkpoint manifest")
-    if manifest.get("version", 0) > VERSION:
-        raise CheckpointError(f"{directory} has format version {manifest['version']}; this atorch reads up to {VERSION}, upgrade atorch")
-    return manifest
+    version = manifest.get("version", 0)
+    if not isinstance(version, int) or version > VERSION:
+        raise CheckpointError(f"{directory} has format version {version}; this atorch reads up to {VERSION}, upgrade atorch")
+    if version >= 2 and manifest.get(SELF_CHECK) != _self_digest(manifest):
+        raise CheckpointError(f"{file} was altered after the save (its checksum does not match); the checkpoint is corrupt")
+    files = {}
+    for name, entry in manifest["files"].items():
+        entry = {"size": entry} if version < 2 else entry
+        if (not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or Path(name).is_absolute()
+                or ".." in Path(name).parts or name in _NOT_LISTED):
+            raise CheckpointError(f"{file} lists {name!r} as {entry!r}; the checkpoint is corrupt")
+        files[name] = entry
+    if version < 2:
+        logger.warning("checkpoint: %s was saved by an earlier atorch without checksums; only file sizes are checked",
+                       directory)
+    return {**manifest, "files": files}
 
 
 def validate(directory: Path) -> dict:
-    """Check that every file the manifest lists is present with its recorded size; return the manifest."""
+    """Check that every file the manifest lists is present with its recorded size; return the manifest.
+
+    The contents are checked against their checksums by :func:`integrity.verify`, which reads them.
+    """
     manifest = read_manifest(directory)
     missing, wrong = [], []
-    for name, size in manifest["files"].items():
+    for name, entry in manifest["files"].items():
         file = directory / name
         if not file.is_file():
             missing.append(name)
-        elif file.stat().st_size != size:
-            wrong.append(f"{name} ({file.stat().st_size} bytes, expected {size})")
+        elif file.stat().st_size != entry["size"]:
+            wrong.append(f"{name} ({file.stat().st_size} bytes, expected {entry['size']})")
     if missing or wrong:
         parts = ([f"missing files {missing}"] if missing else []) + ([f"truncated or altered files {wrong}"] if wrong else [])
         raise CheckpointError(f"checkpoint {directory} is damaged: {'; '.join(parts)}; it will not be loaded")
     return manifest
+
+
+def read_metadata(directory: Path, manifest: dict):
+    """DCP's metadata of ``directory``, checked against its checksum and read without running code
+    (:mod:`safe_pickle`); every file it points at must be one the manifest lists."""
+    file = directory / ".metadata"
+    if ".metadata" not in manifest["files"]:
+        raise CheckpointError(f"checkpoint {directory} lists no .metadata in its manifest; it is corrupt")
+    try:
+        data = file.read_bytes()
+    except OSError as error:
+        raise CheckpointError(f"{file} cannot be read ({error})") from None
+    wrong = integrity.mismatch(directory, ".metadata", manifest["files"][".metadata"], data)
+    if wrong is not None:
+        raise CheckpointError(f"checkpoint {directory} is damaged: files whose content changed since the save "
+                              f"[{wrong!r}]; it will not be loaded")
+    metadata = safe_pickle.loads(data, str(file))
+    unknown = sorted(safe_pickle.referenced_files(metadata) - set(manifest["files"]))
+    if unknown:
+        raise CheckpointError(f"{file} points at files the manifest does not list {unknown[:5]}; the checkpoint is corrupt")
+    return metadata
 
 
 def _complete_siblings(path: Path) -> list[Path]:
@@ -195,9 +248,14 @@ def resolve(path: Path) -> tuple[Path, dict]:
 
 
 def exists(path: str | os.PathLike) -> bool:
-    """Whether a complete checkpoint can be loaded from ``path`` (for resume-if-present logic)."""
+    """Whether a complete checkpoint can be loaded from ``path`` (for resume-if-present logic).
+
+    Checks the manifest, every file's presence and size, and the metadata (its checksum, and that
+    it reads without running code); :func:`atorch.checkpoint.load` also verifies every file's
+    checksum, which reads the whole checkpoint.
+    """
     try:
-        resolve(Path(path))
+        read_metadata(*resolve(Path(path).absolute()))
     except CheckpointError:
         return False
     return True

@@ -237,7 +237,7 @@ def gather(model: torch.nn.Module, optim) -> dict:
     return state
 
 
-def _initialized_state(model: torch.nn.Module, base: torch.optim.Optimizer) -> dict:
+def _allocate_state(model: torch.nn.Module, base: torch.optim.Optimizer) -> dict:
     """This optimizer's flattened state dict with every state tensor allocated.
 
     torch allocates the state with a zero-gradient step at lr 0 when the optimizer has none yet,
@@ -255,18 +255,38 @@ def _initialized_state(model: torch.nn.Module, base: torch.optim.Optimizer) -> d
             p.grad = grad
 
 
+def _optimizer_layout(model: torch.nn.Module, base: torch.optim.Optimizer) -> dict:
+    """What :func:`_allocate_state` returns, leaving the optimizer as it was (no state allocated)."""
+    fresh = base.state_dict() if not base.state else None
+    layout = _allocate_state(model, base)
+    if fresh is not None:
+        base.load_state_dict(fresh)
+    return layout
+
+
+def _staged(state: dict) -> dict:
+    """``state`` with every tensor replaced by a new one of the same kind (a DTensor stays a DTensor
+    on its mesh): what DCP loads into, so that a load that fails changes nothing the job holds."""
+    return {key: torch.empty_like(value) if isinstance(value, torch.Tensor) else value for key, value in state.items()}
+
+
 def targets(model: torch.nn.Module, optim) -> tuple[dict, Callable[[dict], None]]:
     """The state dict for ``dcp.load`` to fill, and ``finish(state)`` that puts it into the model
-    and optimizer afterwards."""
+    and optimizer afterwards.
+
+    The state dict holds new tensors, not the model's or the optimizer's: until ``finish`` runs,
+    nothing the job holds has changed (the cost is one extra copy of this rank's share of the
+    state while loading).
+    """
     check_supported(model, optim)
     shards = tensor_parallel_shards(model)
     module, partial, content = _model_state(model)
-    state = {"model": content}
+    state = {"model": _staged(content)}
     restore = {"model": _to_serial(state["model"], lambda key: key if key in shards else None, shards, fill=True)}
     base = zero = None
     if optim is not None:
         base, zero, _ = split_optimizer(optim)
-        state["optim"] = _initialized_state(module, base)
+        state["optim"] = _staged(_optimizer_layout(module, base))
         restore["optim"] = _to_serial(state["optim"], lambda key: _owner(key, shards), shards, fill=True)
 
     def finish(loaded: dict) -> None:
@@ -276,6 +296,7 @@ def targets(model: torch.nn.Module, optim) -> tuple[dict, Callable[[dict], None]
         # A pipeline stage loads its own units; the meta ones of other stages stay as they are.
         set_model_state_dict(module, loaded["model"], options=StateDictOptions(strict=not partial))
         if base is not None:
+            _allocate_state(module, base)  # torch loads flattened state only into allocated state
             set_optimizer_state_dict(module, base, loaded["optim"], options=_OPTIM_OPTIONS)
             if zero is not None:
                 # ZeroRedundancyOptimizer copies its own param_groups into the partition's at every

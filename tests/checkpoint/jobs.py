@@ -27,12 +27,12 @@ class DropoutTransformer(TinyTransformer):
             block.mlp = nn.Sequential(first, act, nn.Dropout(p), last)
 
 
-def build(strategy: str, seed: int = 0, dropout: float = 0.0):
-    """An auto_accelerate result: Adam, a StepLR schedule and a shuffled global batch of 8."""
+def build(strategy: str, seed: int = 0, dropout: float = 0.0, batch_size: int = 8):
+    """An auto_accelerate result: Adam, a StepLR schedule and a shuffled global batch of ``batch_size``."""
     torch.manual_seed(seed)
     _, result, _ = auto_accelerate(
         DropoutTransformer(dropout), torch.optim.Adam, TokenDataset(), lm_loss, optim_args={"lr": 3e-3},
-        dataloader_args={"batch_size": 8, "shuffle": True}, model_input_format="unpack_dict",
+        dataloader_args={"batch_size": batch_size, "shuffle": True}, model_input_format="unpack_dict",
         load_strategy=STRATEGIES[strategy], lr_scheduler_cls=torch.optim.lr_scheduler.StepLR,
         lr_scheduler_args={"step_size": 3, "gamma": 0.5},
     )
