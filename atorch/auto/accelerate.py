@@ -8,6 +8,7 @@ import torch
 
 from atorch.auto.context import ModelContext, move_to_device
 from atorch.auto.environment import DeviceContext
+from atorch.auto.order import applied_order
 from atorch.auto.plan import plan_strategy, resolve_strategy
 from atorch.auto.registry import Stage, get_method
 from atorch.auto.strategy import Strategy, parse_strategy
@@ -144,17 +145,20 @@ def auto_accelerate(
 
 
 def apply_strategy(ctx: ModelContext, strategy: Strategy, stage_barrier: Callable[[bool], bool] | None = None) -> None:
-    """Run every method's stage hooks in stage order (the strategy's order within a stage).
+    """Run every method's stage hooks in stage order, and within a stage in the registry's
+    applied order (atorch/auto/order.py), whatever order the strategy lists them in.
 
     ``stage_barrier(ok)`` (used by dry runs) is called after each stage on every rank and returns
     whether every rank succeeded, so a failure on one rank stops all of them at the same stage
     boundary instead of leaving the others waiting in the next stage's collectives.
     """
     ctx.strategy = strategy
-    absorbed = {other for name in strategy.opt_names for other in get_method(name).absorbs if other in strategy}
+    absorbed = {other for name, config in strategy.items() for other in get_method(name).related("absorbs", config)
+                if other in strategy}
+    position = {name: index for index, name in enumerate(applied_order(strategy.opt_names))}
     hooks = sorted(
-        ((stage, index, name, hook, config)
-         for index, (name, config) in enumerate(strategy.items())
+        ((stage, position[name], name, hook, config)
+         for name, config in strategy.items()
          for stage, hook in get_method(name).hooks.items()
          if not (name in absorbed and stage in get_method(name).skipped_when_absorbed)),
         key=lambda item: (item[0], item[1]),

@@ -8,6 +8,7 @@ raise a user error here, so a strategy is never half-applied.
 from collections.abc import Iterable
 
 from atorch.auto.environment import DeviceContext
+from atorch.auto.order import applied_order
 from atorch.auto.registry import get_method
 from atorch.auto.strategy import Strategy
 from atorch.distributed.topology import DATA_PARALLEL_DIMS, resolve_dims
@@ -63,6 +64,11 @@ def plan_strategy(
         requested = config.dims or [("data", device_ctx.world_size)]
         dims, dim_notes = resolve_dims(requested, device_ctx.world_size, config.rank_order)
         notes += [f"parallel_mode: {note}" for note in dim_notes]
+        for name, method_config in strategy.items():
+            lay_out = get_method(name).lay_out_dims
+            if lay_out is not None:
+                method_config, dims = lay_out(method_config, device_ctx.world_size, dims)
+                strategy = strategy.replace(name, method_config)
         if dims != config.dims:
             strategy = strategy.replace("parallel_mode", {"dims": dims, "rank_order": config.rank_order})
         _check_dims_used(strategy, dims)
@@ -82,15 +88,31 @@ def plan_strategy(
             strategy = strategy.without(name)
             notes.append(f"{name}: dropped because parallel_mode has no {missing[0]!r} dim larger than 1")
 
-    for name, _ in strategy.items():
-        spec = get_method(name)
-        clash = [other for other in spec.conflicts if other in strategy]
-        if clash:
-            raise StrategyConflictError(f"methods {name!r} and {clash[0]!r} cannot be used together; remove one")
-        missing = [other for other in spec.requires if other not in strategy]
-        if missing:
-            raise StrategyConflictError(f"method {name!r} needs {missing} in the same strategy; add it")
+    strategy = in_applied_order(strategy)
+    check_relations(strategy)  # in applied order: the same message whatever the list order
     return strategy, notes
+
+
+def in_applied_order(strategy: Strategy) -> Strategy:
+    """The same methods, listed in the order they are applied (atorch/auto/order.py)."""
+    configs = dict(strategy.items())
+    return Strategy([(name, configs[name]) for name in applied_order(configs)])
+
+
+def check_relations(strategy: Strategy) -> None:
+    """Refuse a strategy with two conflicting methods, or a method without one it requires;
+    the error names both methods, the reason, and the fix."""
+    for name, config in strategy.items():
+        spec = get_method(name)
+        for other, why in spec.related("conflicts", config).items():
+            if other in strategy:
+                because = f": {why}" if why else ""
+                raise StrategyConflictError(
+                    f"methods {name!r} and {other!r} cannot be used together{because}; remove one of them")
+        for other, why in spec.related("requires", config).items():
+            if other not in strategy:
+                because = f" ({why})" if why else ""
+                raise StrategyConflictError(f"method {name!r} needs {other!r} in the same strategy{because}; add it")
 
 
 def resolve_strategy(model, strategy: Strategy) -> Strategy:

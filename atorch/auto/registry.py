@@ -40,6 +40,11 @@ class Stage(IntEnum):
 
 Hook = Callable[[Any, MethodConfig], None]
 
+# A relation to other methods: their names, names mapped to why (shown in errors and in
+# docs/methods/compatibility.md), or a function of this method's config returning either (when
+# the relation depends on the backend the config picks, e.g. zero2 absorbs amp_native only on FSDP2).
+Relation = tuple[str, ...] | Mapping[str, str] | Callable[[MethodConfig], "tuple[str, ...] | Mapping[str, str]"]
+
 
 @dataclass(frozen=True)
 class MethodSpec:
@@ -58,8 +63,13 @@ class MethodSpec:
     distributed_only: bool = False
     # Drop this method when any of these is in the strategy (e.g. ``half`` over ``amp_native``).
     overridden_by: tuple[str, ...] = ()
-    conflicts: tuple[str, ...] = ()
-    requires: tuple[str, ...] = ()
+    # Refused at plan time together with this method (see ``Relation``; give the reason).
+    conflicts: Relation = ()
+    requires: Relation = ()
+    # Within every stage they share, this method's hooks run after / before those of these
+    # methods when both are in the strategy; with stages, this is the whole applied order.
+    after: tuple[str, ...] = ()
+    before: tuple[str, ...] = ()
     # Parallel dims this method puts to work (the data dims are always used by the dataloader).
     uses_dims: tuple[str, ...] = ()
     # Dropped (with a note) unless the data-parallel size (data x zero dims) is larger than 1.
@@ -69,17 +79,35 @@ class MethodSpec:
     # Methods whose work this one takes over when both are present (fsdp applies amp_native's
     # dtype as FSDP mixed precision); the absorbed method's ``skipped_when_absorbed`` stages do
     # not run, and the absorbing method reads its config from ``ctx.strategy``.
-    absorbs: tuple[str, ...] = ()
+    absorbs: Relation = ()
     skipped_when_absorbed: tuple[Stage, ...] = ()
     unsupported: Callable[[Any, MethodConfig], str | None] | None = None
+    # A method that lays out the process mesh itself (mixed_parallel): ``(config, world_size,
+    # dims) -> (config, dims)`` at plan time, so parallel_mode builds the job's one Topology.
+    lay_out_dims: Callable[[MethodConfig, int, list], tuple[MethodConfig, list]] | None = None
     resolve: Callable[[Any, MethodConfig], MethodConfig] | None = None
     # Configs the search tries for this method; empty: the search leaves it out unless the user
     # puts it in `included` (then its default config is tried).
     search_space: tuple[dict, ...] = field(default_factory=tuple)
+    # Configs whose relations differ from the default config's (a backend switch): listed one by
+    # one in docs/methods/compatibility.md.
+    variants: tuple[dict, ...] = ()
     # The method trades speed for memory (checkpointing, sharding): the search only tries it when
     # the same candidate without it is estimated not to fit the memory budget.
     memory_only: bool = False
 
+
+    def related(self, relation: str, config: MethodConfig | None = None) -> dict[str, str]:
+        """``conflicts``, ``requires`` or ``absorbs`` under ``config`` (the default config when
+        None), as ``{method: reason}`` (an empty reason where none is declared)."""
+        value = getattr(self, relation)
+        if callable(value):
+            value = value(config if config is not None else self.config_cls())
+        return dict(value) if isinstance(value, Mapping) else {name: "" for name in value}
+
+
+# The reason shared by the sharding methods' conflicts with each other.
+ONE_SHARDING = "each shards the model or optimizer over the data-parallel ranks on its own; pick one"
 
 _REGISTRY: dict[str, MethodSpec] = {}
 

@@ -54,6 +54,10 @@ register_method(
         hooks={Stage.REWRITE: wrap_forward, Stage.OPTIMIZER: wrap_optimizer},
         # Under fsdp/zero2 the sharding method computes in amp's dtype; loss scaling stays.
         skipped_when_absorbed=(Stage.REWRITE,),
+        # Autocast wraps the forward that finally runs: after the model is rewritten or split
+        # (wrapping the root first would leave pipeline stages, which never call it, in fp32).
+        after=("module_replace", "tensor_parallel", "pipeline_parallel", "mixed_parallel", "ds_3d_parallel", "fp8",
+               "genomic_bottleneck"),
         description="torch.autocast mixed precision (fp16 with loss scaling, or bf16)",
         overridden_by=("half",),
         unsupported=_unsupported,

@@ -85,8 +85,15 @@ register_method(
         distributed_only=True,
         uses_dims=("pipeline",),
         needs_dims=("pipeline",),
-        conflicts=("fsdp", "zero1", "zero2", "tensor_parallel", "sequence_parallel", "pipeline_parallel",
-                   "mixed_parallel", "amp_native", "half"),
+        conflicts={
+            **dict.fromkeys(("fsdp", "zero1", "zero2"), "DeepSpeed's pipeline engine owns the data-parallel "
+                            "gradient reduction; set ZeRO in ds_config instead"),
+            **dict.fromkeys(("tensor_parallel", "sequence_parallel", "pipeline_parallel", "mixed_parallel"),
+                            "DeepSpeed's pipeline engine splits the model itself; use mixed_parallel for "
+                            "tensor x pipeline"),
+            **dict.fromkeys(("amp_native", "half"), "DeepSpeed's engine sets precision itself; put "
+                            '{"bf16": {"enabled": true}} in ds_config'),
+        },
         unsupported=_unsupported,
         resolve=resolve,
     )

@@ -120,6 +120,15 @@ register_method(
         name="fp8",
         config_cls=Fp8Config,
         hooks={Stage.REWRITE: apply},
+        # fp8 swaps the plain nn.Linear layers of a whole model and runs its root forward under
+        # fp8 autocast: split layers are not nn.Linear, and pipeline stages never call the root.
+        conflicts={
+            "tensor_parallel": "tensor-parallel layers are not transformer-engine layers, so they would stay out of fp8",
+            "mixed_parallel": "its tensor-parallel layers would stay out of fp8 and its stages never run fp8 autocast",
+            "pipeline_parallel": "pipeline stages never call the root forward that runs fp8 autocast",
+            "ds_3d_parallel": "DeepSpeed's pipeline stages never call the root forward that runs fp8 autocast",
+            "half": "transformer-engine keeps its own fp8 scaling state in the parameters' dtype; use amp_native bf16",
+        },
         description="fp8 matmuls through transformer-engine (sm 8.9+)",
         unsupported=_unsupported,
         search_space=({},),

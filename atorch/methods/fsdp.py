@@ -12,7 +12,7 @@ from pydantic import Field, model_validator
 
 from atorch.auto.config_types import ClassRef, DType, MethodConfig, as_list, class_name
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.auto.registry import ONE_SHARDING, MethodSpec, Stage, register_method
 from atorch.errors import MethodConfigError
 from atorch.sharding import fsdp2
 from atorch.utils.log import logger
@@ -95,7 +95,7 @@ register_method(
         description="FSDP2 full sharding of parameters, gradients and optimizer state",
         distributed_only=True,
         needs_data_parallel=True,
-        conflicts=("zero1", "zero2"),
+        conflicts={"zero1": ONE_SHARDING, "zero2": ONE_SHARDING},
         absorbs=("amp_native",),
         resolve=resolve,
         search_space=({},),

@@ -48,6 +48,8 @@ register_method(
         name="half",
         config_cls=HalfConfig,
         hooks={Stage.REWRITE: to_half},
+        # Cast what finally runs: replaced modules and split layers come out in fp32.
+        after=("module_replace", "tensor_parallel", "pipeline_parallel", "mixed_parallel", "ds_3d_parallel"),
         description="model, inputs and optimizer state in fp16 or bf16",
         unsupported=_unsupported,
     )

@@ -12,16 +12,14 @@ Supports the models both halves support: Llama-style Hugging Face decoder LMs, a
 import torch
 from pydantic import Field
 
-from atorch import parallel_state
 from atorch.auto.context import ModelContext
 from atorch.auto.registry import MethodSpec, Stage, register_method
 from atorch.distributed import env
-from atorch.distributed.topology import DATA_PARALLEL_DIMS, Topology
+from atorch.distributed.topology import DATA_PARALLEL_DIMS
 from atorch.errors import MethodConfigError, WorldSizeError
 from atorch.parallel_layers.auto_shard import ShardingError, shard_model
 from atorch.pipeline.auto import PipelineFields, check_fields, pipeline_model
 from atorch.pipeline.layouts import layout_for
-from atorch.utils.log import logger
 
 
 class MixedParallelConfig(PipelineFields):
@@ -49,22 +47,20 @@ def resolve(model: torch.nn.Module, config: MixedParallelConfig) -> MixedParalle
     return config.model_copy(update={"tensor_size": tensor, "pipeline_size": pipeline})
 
 
-def build_topology(ctx: ModelContext, config: MixedParallelConfig) -> None:
-    given = dict(ctx.topology.dims)
+def lay_out_dims(config: MixedParallelConfig, world_size: int, dims: list) -> tuple[MixedParallelConfig, list]:
+    """parallel_mode's dims for this job: tensor x pipeline x data (one Topology, built by parallel_mode)."""
+    given = dict(dims)
     extra = sorted(name for name, size in given.items() if size > 1 and name not in ("tensor", "pipeline", "data"))
     if extra:
         raise MethodConfigError(f"mixed_parallel lays out tensor, pipeline and data dims itself; parallel_mode also "
                                 f"has {extra}: drop them")
-    tensor, pipeline = config.tensor_size, config.pipeline_size
+    tensor, pipeline = choose_sizes(world_size, config.tensor_size, config.pipeline_size)
     for name, size in (("tensor", tensor), ("pipeline", pipeline)):
         if given.get(name, 1) > 1 and given[name] != size:
             raise MethodConfigError(f"parallel_mode's {name} dim is {given[name]} but mixed_parallel's {name}_size is "
                                     f"{size}; give the sizes in mixed_parallel only (parallel_mode data-only)")
-    data = ctx.device_ctx.world_size // (tensor * pipeline)
-    ctx.topology = Topology.build([("tensor", tensor), ("pipeline", pipeline), ("data", data)],
-                                  device_type=ctx.device.type)
-    parallel_state.set_topology(ctx.topology)
-    logger.info("mixed_parallel: tensor %d x pipeline %d x data %d", tensor, pipeline, data)
+    config = config.model_copy(update={"tensor_size": tensor, "pipeline_size": pipeline})
+    return config, [("tensor", tensor), ("pipeline", pipeline), ("data", world_size // (tensor * pipeline))]
 
 
 def split_and_shard(ctx: ModelContext, config: MixedParallelConfig) -> None:
@@ -84,11 +80,17 @@ register_method(
     MethodSpec(
         name="mixed_parallel",
         config_cls=MixedParallelConfig,
-        hooks={Stage.TOPOLOGY: build_topology, Stage.REWRITE: split_and_shard},
+        hooks={Stage.REWRITE: split_and_shard},
+        lay_out_dims=lay_out_dims,
         description="3D parallelism: pipeline stages, each sharded over tensor ranks, replicated over data ranks",
         distributed_only=True,
         uses_dims=("tensor", "pipeline", *DATA_PARALLEL_DIMS),
-        conflicts=("fsdp", "zero1", "zero2", "tensor_parallel", "sequence_parallel", "pipeline_parallel"),
+        conflicts={
+            **dict.fromkeys(("fsdp", "zero1", "zero2"), "its pipeline stages average gradients over the data ranks "
+                            "themselves; the sharding wrappers expect the whole model on every rank"),
+            **dict.fromkeys(("tensor_parallel", "sequence_parallel", "pipeline_parallel"),
+                            "mixed_parallel already splits the model over tensor and pipeline ranks"),
+        },
         resolve=resolve,
     )
 )

@@ -59,6 +59,8 @@ register_method(
         name="module_replace",
         config_cls=ModuleReplaceConfig,
         hooks={Stage.REWRITE: apply},
+        # Swap modules while the model is plain, before any split or wrapper hides them.
+        before=("tensor_parallel", "pipeline_parallel", "mixed_parallel", "ds_3d_parallel", "fp8", "genomic_bottleneck"),
         description="swap modules for faster equivalents (SDPA attention, fused RMSNorm, user pairs)",
         resolve=resolve,
         search_space=({},),

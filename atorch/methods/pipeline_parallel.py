@@ -38,8 +38,11 @@ register_method(
         distributed_only=True,
         uses_dims=("pipeline",),
         needs_dims=("pipeline",),
-        # Sharding wrappers expect the whole model on every data rank; tensor + pipeline is mixed_parallel.
-        conflicts=("fsdp", "zero1", "zero2", "tensor_parallel", "sequence_parallel"),
+        conflicts={
+            **dict.fromkeys(("fsdp", "zero1", "zero2"), "the pipeline model averages its stages' gradients over the "
+                            "data ranks itself; the sharding wrappers expect the whole model on every rank"),
+            **dict.fromkeys(("tensor_parallel", "sequence_parallel"), "tensor x pipeline is mixed_parallel; use it"),
+        },
         resolve=resolve,
     )
 )

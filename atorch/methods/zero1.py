@@ -12,7 +12,7 @@ from pydantic import Field
 
 from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.auto.registry import ONE_SHARDING, MethodSpec, Stage, register_method
 from atorch.sharding.deepspeed import deepspeed_unavailable, wrap_deepspeed
 
 
@@ -56,7 +56,7 @@ register_method(
         description="ZeRO-1: optimizer state sharded over data-parallel ranks",
         distributed_only=True,
         needs_data_parallel=True,
-        conflicts=("zero2", "fsdp"),
+        conflicts={"zero2": ONE_SHARDING, "fsdp": ONE_SHARDING},
         unsupported=_unsupported,
         search_space=({},),
         memory_only=True,

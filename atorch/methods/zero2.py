@@ -12,7 +12,7 @@ from pydantic import Field, model_validator
 
 from atorch.auto.config_types import MethodConfig, class_name
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.auto.registry import ONE_SHARDING, MethodSpec, Stage, register_method
 from atorch.methods.fsdp import mixed_precision_from
 from atorch.sharding import fsdp2
 from atorch.sharding.deepspeed import deepspeed_unavailable, wrap_deepspeed
@@ -68,6 +68,15 @@ def wrap_ds(ctx: ModelContext, config: Zero2Config) -> None:
         wrap_deepspeed(ctx, stage=2, user_config=config.ds_config)
 
 
+def _absorbs(config: Zero2Config) -> dict[str, str]:
+    # FSDP2 computes in amp's dtype (mixed precision policy) and DeepSpeed in its bf16/fp16 mode;
+    # fairscale's ShardedDDP does neither, so there amp_native's autocast stays on.
+    if config.not_use_fsdp:
+        return {}
+    backend = "DeepSpeed's bf16/fp16 mode" if config.use_ds_zero else "FSDP2's mixed-precision policy"
+    return {"amp_native": f"computes in amp_native's dtype through {backend}"}
+
+
 def _unsupported(device_ctx, config: Zero2Config) -> str | None:
     if config.use_ds_zero:
         return deepspeed_unavailable()
@@ -84,8 +93,9 @@ register_method(
         description="ZeRO-2: gradients and optimizer state sharded over data-parallel ranks",
         distributed_only=True,
         needs_data_parallel=True,
-        conflicts=("zero1", "fsdp"),
-        absorbs=("amp_native",),
+        conflicts={"zero1": ONE_SHARDING, "fsdp": ONE_SHARDING},
+        absorbs=_absorbs,
+        variants=({"not_use_fsdp": True}, {"use_ds_zero": True}),
         unsupported=_unsupported,
         search_space=({},),
         memory_only=True,

@@ -1,0 +1,207 @@
+"""The composition matrix: every pair of methods, planned in both list orders, and each pair the
+planner accepts trained on gloo ranks against a serial reference written in plain PyTorch.
+
+A *variant* is one method with one config (zero2 on each backend is three variants). A case is a
+list of variants; ``plan_case`` says whether the planner refuses it, accepts it, or needs a larger
+world (a method dropped for want of data-parallel ranks); ``run_cases`` trains the accepted ones
+inside one spawn (spawning costs more than what runs) and records losses and compute dtypes.
+"""
+
+import importlib.util
+import itertools
+import math
+
+import torch
+
+from atorch.auto.environment import DeviceContext
+from atorch.auto.plan import plan_strategy
+from atorch.auto.strategy import parse_strategy
+from atorch.errors import AtorchConfigError
+
+HAS = {name: importlib.util.find_spec(name) is not None for name in ("deepspeed", "fairscale", "transformers")}
+
+VARIANTS = {
+    "amp_native": ("amp_native", {"dtype": "bf16"}),
+    "half": ("half", {"dtype": "bf16"}),
+    "checkpoint": ("checkpoint", {}),
+    # aot_eager: dynamo's capture and AOT autograd, without inductor's minutes of C++ compiling.
+    "native_dynamo": ("native_dynamo", {"backend": "aot_eager"}),
+    "zero1": ("zero1", {}),
+    "zero1_ds": ("zero1", {"use_ds_zero": True}),
+    "zero2": ("zero2", {}),
+    "zero2_fairscale": ("zero2", {"not_use_fsdp": True}),
+    "zero2_ds": ("zero2", {"use_ds_zero": True}),
+    "fsdp": ("fsdp", {}),
+    "module_replace": ("module_replace", {}),
+    "tensor_parallel": ("tensor_parallel", {}),
+    # sequence_parallel requires tensor_parallel: its variant is the two together.
+    "sequence_parallel": [("tensor_parallel", {}), ("sequence_parallel", {})],
+    "pipeline_parallel": ("pipeline_parallel", {"num_microbatches": 2}),
+    "mixed_parallel": ("mixed_parallel", {"num_microbatches": 2}),
+    "ds_3d_parallel": ("ds_3d_parallel", {"num_microbatches": 2}),
+    "genomic_bottleneck": ("genomic_bottleneck", {"min_numel": 1024, "tile_size": 16, "lr": 1e-2}),
+}
+# Backends this machine may lack: their variants are planned but not run without them.
+NEEDS = {"zero1_ds": "deepspeed", "zero2_ds": "deepspeed", "ds_3d_parallel": "deepspeed", "zero2_fairscale": "fairscale"}
+# Variants whose method puts a dim to work: the case's parallel_mode gets that dim (size 2).
+DIMS = {"tensor_parallel": "tensor", "sequence_parallel": "tensor", "pipeline_parallel": "pipeline",
+        "ds_3d_parallel": "pipeline"}
+
+STEPS, BATCH, LR = 4, 8, 1e-2
+
+
+def items_of(variant: str) -> list[tuple[str, dict]]:
+    value = VARIANTS[variant]
+    return value if isinstance(value, list) else [value]
+
+
+def methods_of(variant: str) -> set[str]:
+    return {name for name, _ in items_of(variant)}
+
+
+def pairs() -> list[tuple[str, str]]:
+    """Every unordered pair of variants that share no method."""
+    return [(a, b) for a, b in itertools.combinations(VARIANTS, 2) if not methods_of(a) & methods_of(b)]
+
+
+def strategy_list(case: tuple[str, ...], world: int) -> list:
+    if world == 1:
+        return [item for v in case for item in items_of(v)]
+    dims = sorted({DIMS[v] for v in case if v in DIMS})
+    layout = [(name, 2) for name in dims]
+    data = world // math.prod(size for _, size in layout) if layout else world
+    parallel_mode = ("parallel_mode", {"dims": [*layout, ("data", max(data, 1))]})
+    return [parallel_mode, *(item for v in case for item in items_of(v))]
+
+
+def device_ctx(world: int) -> DeviceContext:
+    return DeviceContext(world, world, torch.device("cpu"), None, 2**40)
+
+
+def plan_case(case: tuple[str, ...], world: int) -> dict:
+    """``{"outcome": "refused", "error": ...}``, ``{"outcome": "dropped", "notes": ...}`` (the
+    case needs a larger world) or ``{"outcome": "accepted", "order": [...]}``."""
+    try:
+        planned, notes = plan_strategy(parse_strategy(strategy_list(case, world)), device_ctx(world))
+    except AtorchConfigError as error:
+        return {"outcome": "refused", "error": f"{type(error).__name__}: {error}"}
+    wanted = set().union(*(methods_of(v) for v in case))
+    dropped = [note for note in notes if "dropped" in note and note.split(":")[0] in wanted]
+    if dropped:
+        return {"outcome": "dropped", "notes": dropped}
+    return {"outcome": "accepted", "order": planned.opt_names, "strategy": planned.to_json()}
+
+
+def precision(case: tuple[str, ...]) -> str:
+    """The compute dtype a case must show, and the precision of its serial reference."""
+    if "half" in case:
+        return "half"
+    return "bf16" if "amp_native" in case else "fp32"
+
+
+def reference_key(case: tuple[str, ...]) -> tuple[str, bool]:
+    """(precision, genomic): the serial run a case is compared with."""
+    return precision(case), "genomic_bottleneck" in case
+
+
+# --------------------------------------------------------------------------- serial references
+
+
+def tiny_model(seed: int = 0):
+    from tests.helpers.hf import tiny_llama
+
+    return tiny_llama(seed)
+
+
+def batches():
+    from tests.helpers.hf import CountingTokens
+
+    data = CountingTokens()
+    return [{k: torch.stack([data[i][k] for i in range(s * BATCH, (s + 1) * BATCH)]) for k in ("input_ids", "labels")}
+            for s in range(STEPS)]
+
+
+def serial_losses(kind: str, genomic: bool = False, lr: float = LR) -> list[float]:
+    """Plain PyTorch: AdamW on the whole global batch, fp32, bf16 autocast, or a bf16 model.
+
+    With ``genomic`` the model is the g-net-generated one, so the reference is atorch's own
+    genomic_bottleneck in one process (its serial correctness is tests/compression's business).
+    """
+    if genomic:
+        case = ("genomic_bottleneck", "amp_native") if kind == "bf16" else ("genomic_bottleneck",)
+        return train_case(case, 1)["losses"]
+    model = tiny_model()
+    if kind == "half":
+        model = model.to(torch.bfloat16)
+    optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for batch in batches():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "bf16"):
+            loss = model(**batch).loss
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+# --------------------------------------------------------------------------- runs on the ranks
+
+
+def _record_dtypes(model: torch.nn.Module) -> set:
+    """Output dtypes of every leaf matmul layer that runs on this rank (Linear and its parallel kinds)."""
+    seen: set = set()
+    for module in model.modules():
+        if type(module).__name__.endswith("Linear") and not any(True for _ in module.children()):
+            module.register_forward_hook(lambda _m, _i, out: seen.add(str(out.dtype)) if torch.is_tensor(out) else None)
+    return seen
+
+
+def train_case(case: tuple[str, ...], world: int) -> dict:
+    """Train one case through auto_accelerate with the README's loop; global losses and dtypes."""
+    import torch.distributed as dist
+
+    from atorch.auto import auto_accelerate
+    from tests.helpers.hf import CountingTokens
+    from tests.helpers.models import global_mean
+
+    model = tiny_model()
+    _, result, strategy = auto_accelerate(
+        model, torch.optim.AdamW, CountingTokens(), lambda batch, out: out.loss, optim_args={"lr": LR},
+        dataloader_args={"batch_size": BATCH}, model_input_format="unpack_dict",
+        load_strategy=strategy_list(case, world),
+    )
+    dtypes = _record_dtypes(result.model)
+    losses, it = [], iter(result.dataloader)
+    for _ in range(STEPS):
+        batch = result.prepare_input(next(it), torch.device("cpu"))
+        loss = result.loss_func(batch, result.model(**batch))
+        if result.args.get("backward_in_forward"):
+            pass
+        elif result.args["use_optim_backward"]:
+            result.optim.backward(loss)
+        else:
+            loss.backward()
+        result.optim.step()
+        if not result.args["use_optim_backward"]:
+            result.optim.zero_grad()
+        losses.append(global_mean(loss))
+    gathered = [sorted(dtypes)]
+    if dist.is_initialized():  # pipeline stages each see their own layers
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sorted(dtypes))
+    return {"losses": losses, "dtypes": sorted(set().union(*gathered)), "order": strategy.opt_names}
+
+
+def run_cases(cases: list[tuple[str, ...]], world: int) -> dict:
+    """Every case on these ranks, one after the other; a failure is recorded, not raised, so one
+    broken composition does not hide the others (every rank fails the same case together)."""
+    import traceback
+
+    out = {}
+    for case in cases:
+        try:
+            out[case] = train_case(case, world)
+        except Exception:  # noqa: BLE001 - reported by the test with the case's name
+            out[case] = {"error": traceback.format_exc(limit=6)}
+    return out
