@@ -92,16 +92,15 @@ def main() -> None:
     if atorch.rank() == 0:
         print(f"world size {atorch.world_size()}, applied {strategy}", flush=True)
 
-    model, optim = result.model, result.optim
+    model = result.model
     start = time.perf_counter()
     for step, batch in enumerate(result.dataloader):
         if step == args.steps:
             break
         batch = result.prepare_input(batch, atorch.device())
         loss = result.loss_func(batch, model(**batch))
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
+        result.backward(loss)  # the same two calls under every strategy atorch may pick
+        result.step()
         if step % 5 == 0 or step == args.steps - 1:
             value = loss.detach().float()
             if atorch.world_size() > 1:

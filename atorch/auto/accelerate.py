@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from atorch.auto import loop
 from atorch.auto.context import ModelContext, move_to_device
 from atorch.auto.environment import DeviceContext
 from atorch.auto.order import applied_order
@@ -15,9 +16,21 @@ from atorch.auto.strategy import Strategy, parse_strategy
 from atorch.distributed import env
 from atorch.utils.log import logger
 
-AutoAccelerateResult = collections.namedtuple(
-    "AutoAccelerateResult", ["model", "optim", "dataloader", "loss_func", "prepare_input", "lr_scheduler", "args"]
-)
+
+class AutoAccelerateResult(collections.namedtuple(
+        "AutoAccelerateResult", ["model", "optim", "dataloader", "loss_func", "prepare_input", "lr_scheduler", "args"])):
+    """What the training loop needs; ``backward(loss)`` and ``step()`` run one step the way the
+    strategy needs it (pipeline, DeepSpeed...), so the loop is the same under every strategy."""
+
+    __slots__ = ()
+
+    def backward(self, loss) -> None:
+        """``loss.backward()``, or what replaces it under this strategy (atorch/auto/loop.py)."""
+        loop.backward(self.args, self.optim, loss)
+
+    def step(self) -> None:
+        """``optim.step()`` then ``optim.zero_grad()``, or what replaces them under this strategy."""
+        loop.step(self.args, self.optim)
 
 _KNOWN_KWARGS = {
     "verbose", "find_unused_parameters", "sampler_seed", "ignore_dryrun_on_load_strategy",
@@ -83,9 +96,8 @@ def auto_accelerate(
         for batch in result.dataloader:
             batch = result.prepare_input(batch, atorch.device())
             loss = result.loss_func(batch, model(**batch))
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
+            result.backward(loss)   # loss.backward(), or what the strategy needs instead
+            result.step()           # optim.step() and optim.zero_grad(), likewise
     """
     unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
     if unknown:

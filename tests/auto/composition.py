@@ -176,15 +176,8 @@ def train_case(case: tuple[str, ...], world: int) -> dict:
     for _ in range(STEPS):
         batch = result.prepare_input(next(it), torch.device("cpu"))
         loss = result.loss_func(batch, result.model(**batch))
-        if result.args.get("backward_in_forward"):
-            pass
-        elif result.args["use_optim_backward"]:
-            result.optim.backward(loss)
-        else:
-            loss.backward()
-        result.optim.step()
-        if not result.args["use_optim_backward"]:
-            result.optim.zero_grad()
+        result.backward(loss)  # the same two calls under every composition
+        result.step()
         losses.append(global_mean(loss))
     gathered = [sorted(dtypes)]
     if dist.is_initialized():  # pipeline stages each see their own layers
