@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from atorch.checkpoint import integrity, io, loading, ranks, runtime, state
 from atorch.errors import CheckpointError
 from atorch.utils.log import logger
+from atorch.utils.optim import unwrap_optimizer
 
 
 @contextlib.contextmanager
@@ -43,7 +44,7 @@ def _strategy_of(model: torch.nn.Module, optim) -> list[str]:
         kinds.append("tensor_parallel")
     if optim is not None:
         _, zero, _ = state.split_optimizer(optim)
-        kinds.append(type(zero or getattr(optim, "optimizer", optim)).__name__)
+        kinds.append(type(zero or unwrap_optimizer(optim)).__name__)
     return kinds
 
 

@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from atorch.errors import NotSupportedError
+from atorch.utils.optim import unwrap_optimizer, wrapper_chain
 
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # Wrapper modules whose attribute name torch's state dicts leave out of parameter names.
@@ -42,9 +43,7 @@ _WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod")
 def check_supported(model: torch.nn.Module, optim) -> None:
     """Refuse the back-ends whose state this module cannot lay out, naming the alternative."""
     kinds = {type(model).__module__.split(".")[0], type(optim).__module__.split(".")[0] if optim is not None else ""}
-    inner = getattr(optim, "optimizer", None)
-    if inner is not None:
-        kinds.add(type(inner).__module__.split(".")[0])
+    kinds.update(type(inner).__module__.split(".")[0] for inner in wrapper_chain(optim))
     if "deepspeed" in kinds:
         raise NotSupportedError(
             "atorch.checkpoint cannot save or load a DeepSpeed engine (use_ds_zero): DeepSpeed keeps its own "
@@ -63,7 +62,7 @@ def split_optimizer(optim):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     scaler = getattr(optim, "scaler", None)
-    base = getattr(optim, "optimizer", optim)  # AmpOptimizer wraps the optimizer it steps
+    base = unwrap_optimizer(optim)  # under AmpOptimizer, GenomicOptimizer, in any number
     if isinstance(base, ZeroRedundancyOptimizer):
         return base.optim, base, scaler  # the partition this rank owns
     if not isinstance(base, torch.optim.Optimizer):

@@ -5,8 +5,9 @@ from typing import Any
 
 import torch
 
-from atorch.amp.optimizer import AmpOptimizer, ScaledLossFunc
+from atorch.amp.optimizer import ScaledLossFunc
 from atorch.auto.context import ModelContext, unwrap
+from atorch.utils.optim import unwrap_optimizer
 
 
 def deepspeed_unavailable() -> str | None:
@@ -52,7 +53,7 @@ def wrap_deepspeed(ctx: ModelContext, stage: int, user_config: dict[str, Any] | 
     # amp_native's loss scaling and step wrapper give way to DeepSpeed's own precision handling.
     if isinstance(ctx.loss_func, ScaledLossFunc):
         ctx.loss_func = ctx.loss_func.loss_func
-    optimizer = ctx.optim.optimizer if isinstance(ctx.optim, AmpOptimizer) else ctx.optim
+    optimizer = unwrap_optimizer(ctx.optim)
     engine, _, _, _ = deepspeed.initialize(
         model=unwrap(ctx.model), optimizer=optimizer, config=deepspeed_config(ctx, stage, user_config),
         dist_init_required=False,

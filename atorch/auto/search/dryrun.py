@@ -10,11 +10,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from atorch.auto import loop
 from atorch.auto.context import ModelContext, run_model
 from atorch.auto.plan import resolve_strategy
 from atorch.auto.search.agree import all_ok, first_error, max_each, max_over_ranks
 from atorch.auto.strategy import Strategy
 from atorch.utils.log import logger
+from atorch.utils.optim import unwrap_optimizer
 
 
 def train_step(ctx: ModelContext, batch) -> torch.Tensor:
@@ -22,16 +24,8 @@ def train_step(ctx: ModelContext, batch) -> torch.Tensor:
     batch = ctx.prepare_input(batch, ctx.device)
     loss = ctx.loss_func(batch, run_model(ctx.model, batch, ctx.model_input_format))
     loss = loss[0] if isinstance(loss, (tuple, list)) else loss
-    if ctx.args["use_optim_backward"]:
-        ctx.optim.backward(loss)
-        ctx.optim.step()
-    elif ctx.args.get("backward_in_forward"):  # pipeline methods: the model call ran the backward
-        ctx.optim.step()
-        ctx.optim.zero_grad()
-    else:
-        loss.backward()
-        ctx.optim.step()
-        ctx.optim.zero_grad()
+    loop.backward(ctx.args, ctx.optim, loss)
+    loop.step(ctx.args, ctx.optim)
     return loss
 
 
@@ -40,7 +34,7 @@ def _peak_bytes(ctx: ModelContext, step: Callable[[], None]) -> int | None:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
-    optim = getattr(ctx.optim, "optimizer", ctx.optim)
+    optim = unwrap_optimizer(ctx.optim)
     tracker.track_external(ctx.model, *([optim] if isinstance(optim, torch.optim.Optimizer) else []))
     with tracker:
         step()
