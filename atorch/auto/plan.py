@@ -13,6 +13,7 @@ from atorch.auto.registry import get_method
 from atorch.auto.strategy import Strategy
 from atorch.distributed.topology import DATA_PARALLEL_DIMS, resolve_dims
 from atorch.errors import StrategyConflictError
+from atorch.utils.log import logger
 
 
 def plan_strategy(
@@ -119,9 +120,14 @@ def resolve_strategy(model, strategy: Strategy) -> Strategy:
     """Each method's ``resolve`` applied to ``model``: user errors raised before anything runs,
     and the choices methods make from the model (checkpointed classes, FSDP units) filled in."""
     for name, config in strategy.items():
-        resolve = get_method(name).resolve
-        if resolve is not None:
-            strategy = strategy.replace(name, resolve(model, config))
+        spec = get_method(name)
+        if spec.resolve is not None:
+            config = spec.resolve(model, config)
+            strategy = strategy.replace(name, config)
+        idle = spec.changes_nothing(model, config) if spec.changes_nothing is not None else None
+        if idle is not None:
+            strategy = strategy.without(name)
+            logger.info("%s: dropped because it would change nothing: %s", name, idle)
     return strategy
 
 

@@ -86,6 +86,9 @@ class MethodSpec:
     # dims) -> (config, dims)`` at plan time, so parallel_mode builds the job's one Topology.
     lay_out_dims: Callable[[MethodConfig, int, list], tuple[MethodConfig, list]] | None = None
     resolve: Callable[[Any, MethodConfig], MethodConfig] | None = None
+    # ``changes_nothing(model, config)``: why the method would leave this model as it is (then it
+    # is dropped before anything runs, with that reason logged), or None.
+    changes_nothing: Callable[[Any, MethodConfig], str | None] | None = None
     # Configs the search tries for this method; empty: the search leaves it out unless the user
     # puts it in `included` (then its default config is tried).
     search_space: tuple[dict, ...] = field(default_factory=tuple)

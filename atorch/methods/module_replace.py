@@ -11,6 +11,7 @@ from pydantic import Field
 from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
 from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.distributed import env
 from atorch.errors import MethodConfigError
 from atorch.modules.replace import replace_pairs, swap_modules
 from atorch.utils.log import logger
@@ -31,24 +32,48 @@ def resolve(model: torch.nn.Module, config: ModuleReplaceConfig) -> ModuleReplac
     return config
 
 
-def _set_hf_attention(model: torch.nn.Module, implementation: str) -> bool:
+def _hf_model(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The transformers model that sets the attention implementation (inside peft's wrapper)."""
     inner = getattr(model, "base_model", model)  # peft wraps the transformers model
     for candidate in (model, inner, getattr(inner, "model", None)):
         if candidate is not None and hasattr(candidate, "set_attn_implementation") and hasattr(candidate, "config"):
-            candidate.set_attn_implementation(implementation)
-            return True
-    return False
+            return candidate
+    return None
+
+
+def _attention_to_set(model: torch.nn.Module, config: ModuleReplaceConfig) -> torch.nn.Module | None:
+    """The transformers model whose attention this config changes, or None when it changes none."""
+    hf = _hf_model(model) if config.hf_attention is not None else None
+    if hf is None or getattr(hf.config, "_attn_implementation", None) == config.hf_attention:
+        return None
+    return hf
+
+
+def _chosen_pairs(config: ModuleReplaceConfig, device_type: str) -> list:
+    pairs = replace_pairs()
+    if config.pairs is None:
+        return [p for p in pairs.values() if p.default_devices is None or device_type in p.default_devices]
+    return [pairs[name] for name in config.pairs]
+
+
+def changes_nothing(model: torch.nn.Module, config: ModuleReplaceConfig) -> str | None:
+    """Why this config would change nothing on ``model`` (it is then dropped at plan time)."""
+    if _attention_to_set(model, config) is not None:
+        return None
+    pairs = _chosen_pairs(config, env.device().type)
+    if any(pair.matches(module) for module in model.modules() for pair in pairs):
+        return None
+    attention = "" if config.hf_attention is None else f"its attention is not transformers' or already {config.hf_attention}, and "
+    return f"{attention}no module matches the replace pairs {[p.name for p in pairs]} on {env.device().type}"
 
 
 def apply(ctx: ModelContext, config: ModuleReplaceConfig) -> None:
-    if config.hf_attention is not None and _set_hf_attention(ctx.model, config.hf_attention):
-        logger.info("module_replace: transformers attention set to %s", config.hf_attention)
-    pairs = replace_pairs()
-    if config.pairs is None:
-        chosen = [p for p in pairs.values() if p.default_devices is None or ctx.device.type in p.default_devices]
-    else:
-        chosen = [pairs[name] for name in config.pairs]
-    for pair in chosen:
+    hf = _attention_to_set(ctx.model, config)
+    if hf is not None:
+        before = getattr(hf.config, "_attn_implementation", None)
+        hf.set_attn_implementation(config.hf_attention)
+        logger.info("module_replace: transformers attention %s -> %s", before, config.hf_attention)
+    for pair in _chosen_pairs(config, ctx.device.type):
         replaced, skipped = swap_modules(ctx.model, pair)
         if replaced or skipped:
             logger.info("module_replace: %s replaced %d modules (%d left: unsupported dtype)", pair.name, replaced, skipped)
@@ -63,6 +88,7 @@ register_method(
         before=("tensor_parallel", "pipeline_parallel", "mixed_parallel", "ds_3d_parallel", "fp8", "genomic_bottleneck"),
         description="swap modules for faster equivalents (SDPA attention, fused RMSNorm, user pairs)",
         resolve=resolve,
+        changes_nothing=changes_nothing,
         search_space=({},),
     )
 )
