@@ -45,8 +45,6 @@ def candidate_space(
     seen: list[Strategy] = []
     for combo in itertools.product(*(options for _, options in choices)):
         methods = [(name, config) for (name, _), config in zip(choices, combo) if config is not None]
-        if any(other in dict(methods) for name, _ in methods for other in get_method(name).conflicts):
-            continue
         if parallel is not None:
             methods.insert(0, ("parallel_mode", parallel))
         try:
