@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from atorch.compression.bottleneck import GenomicBottleneck
 from atorch.errors import NotSupportedError
 from atorch.utils.optim import unwrap_optimizer, wrapper_chain
 
@@ -54,6 +55,13 @@ def check_supported(model: torch.nn.Module, optim) -> None:
         raise NotSupportedError(
             "atorch.checkpoint cannot save or load fairscale's OSS / ShardedDDP (zero2 with not_use_fsdp). Use zero2 "
             "without not_use_fsdp (FSDP2), whose checkpoints load under any strategy"
+        )
+    if any(isinstance(getattr(inner, "gnets", None), GenomicBottleneck) for inner in wrapper_chain(optim)):
+        # The covered weights are regenerated from the g-nets before every forward: a checkpoint
+        # without the g-nets would load weights that the next forward overwrites.
+        raise NotSupportedError(
+            "atorch.checkpoint does not hold the g-nets of genomic_bottleneck (the covered weights are regenerated "
+            "from them); save and load them with result.args['gnets'].save(path) / .load(path) (docs/compression.md)"
         )
 
 

@@ -55,7 +55,23 @@ def check(results: dict, world: int) -> list[str]:
                             f"(gap {gap:.2e} > {tolerance})")
         if result["dtypes"] != [DTYPE[key[0]]]:
             problems.append(f"{case} on {world} ranks: matmuls ran in {result['dtypes']}, expected {DTYPE[key[0]]}")
+        problems += check_round_trip(case, result.get("checkpoint"))
     return problems
+
+
+def check_round_trip(case, checkpoint: dict | None) -> list[str]:
+    if checkpoint is None:
+        return []
+    if "refused" in checkpoint:
+        # Only the backends that keep their own partitioned state may be refused, by name.
+        reasons = {"zero1_ds": "DeepSpeed", "zero2_ds": "DeepSpeed", "zero2_fairscale": "fairscale",
+                   "genomic_bottleneck": "g-nets"}
+        if any(reasons.get(variant, "\0") in checkpoint["refused"] for variant in case):
+            return []
+        return [f"{case}: checkpoint refused: {checkpoint['refused']}"]
+    if checkpoint["after"] != pytest.approx(checkpoint["before"], rel=1e-6):
+        return [f"{case}: loss {checkpoint['before']} before save, {checkpoint['after']} after load"]
+    return []
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -113,12 +129,12 @@ def test_compatibility_doc_is_generated_from_the_registry():
         "docs/methods/compatibility.md is stale: python -m atorch.auto.compatibility > docs/methods/compatibility.md")
 
 
-def test_every_accepted_pair_on_2_ranks_matches_serial_with_its_compute_dtype():
+def test_every_accepted_pair_on_2_ranks_matches_serial_with_its_compute_dtype_and_round_trips(tmp_path):
     cases = runnable(2)
     # The bug that opened issue 16: zero2 on fairscale listed amp_native but computed in fp32.
     assert not C.HAS["fairscale"] or ("amp_native", "zero2_fairscale") in cases
     assert ("amp_native", "pipeline_parallel") in cases
-    results = run_distributed(C.run_cases, 2, cases, 2, timeout_s=900)
+    results = run_distributed(C.run_cases, 2, cases, 2, str(tmp_path), timeout_s=900)
     assert results[0].keys() == set(cases)
     problems = check(results[0], 2)
     assert not problems, "\n\n".join(problems)
@@ -132,6 +148,10 @@ def test_the_matrix_check_fails_without_training_and_in_the_wrong_precision():
     fp32 = C.serial_losses("fp32")
     assert check({("amp_native",): {"losses": fp32, "dtypes": ["torch.float32"]}}, 1)
     assert not check({("checkpoint",): {"losses": fp32, "dtypes": ["torch.float32"]}}, 1)
+    # A load that restored another state, and a refusal from a backend checkpointing supports.
+    assert check_round_trip(("fsdp",), {"before": 3.0, "after": 3.01})
+    assert check_round_trip(("fsdp",), {"refused": "atorch.checkpoint cannot save fsdp"})
+    assert not check_round_trip(("zero2_ds",), {"refused": "atorch.checkpoint cannot save or load a DeepSpeed engine"})
 
 
 TRIPLES = [

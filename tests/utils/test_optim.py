@@ -1,5 +1,6 @@
 """One optimizer wrapping protocol: checkpointing sees the real optimizer under stacked wrappers."""
 
+import pytest
 import torch
 
 import atorch.checkpoint
@@ -33,16 +34,17 @@ def _step(result, batch):
     return loss.item()
 
 
-def test_checkpoint_under_genomic_bottleneck_and_amp_restores_the_optimizer(tmp_path):
-    # Two wrappers (AmpOptimizer around GenomicOptimizer): checkpointing once knew one only.
+def test_checkpointing_sees_the_optimizer_under_two_wrappers_and_refuses_what_it_cannot_hold(tmp_path):
+    from atorch.checkpoint.state import split_optimizer
+    from atorch.errors import NotSupportedError
+
+    # AmpOptimizer around GenomicOptimizer: checkpointing once looked one wrapper deep only.
     strategy = [("genomic_bottleneck", {"min_numel": 1024, "tile_size": 16}), ("amp_native", "bf16")]
     result = _job(strategy)
     assert [type(o).__name__ for o in wrapper_chain(result.optim)] == ["AmpOptimizer", "GenomicOptimizer", "AdamW"]
-    batches = list(result.dataloader)
-    _step(result, batches[0])
-    atorch.checkpoint.save(tmp_path / "ck", result.model, result.optim)
-    saved_state = {k: v.clone() for k, v in unwrap_optimizer(result.optim).state_dict()["state"][0].items()}
-    fresh = _job(strategy)
-    atorch.checkpoint.load(tmp_path / "ck", fresh.model, fresh.optim)
-    loaded = unwrap_optimizer(fresh.optim).state_dict()["state"][0]
-    assert saved_state.keys() == loaded.keys() and all(torch.equal(saved_state[k], loaded[k]) for k in saved_state)
+    assert split_optimizer(result.optim)[0] is unwrap_optimizer(result.optim)
+    _step(result, next(iter(result.dataloader)))
+    # The g-nets regenerate the covered weights, and a checkpoint does not hold them: refused
+    # by name (the composition matrix showed the loss after a load differing from before).
+    with pytest.raises(NotSupportedError, match="g-nets"):
+        atorch.checkpoint.save(tmp_path / "ck", result.model, result.optim)
