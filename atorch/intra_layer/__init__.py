@@ -17,11 +17,14 @@ from atorch.intra_layer.auto import auto_parallelize, parallelize_model
 from atorch.intra_layer.grads import clip_grad_norm_, install_gradient_sync, sync_gradients
 from atorch.intra_layer.grid import init
 from atorch.intra_layer.linear import Linear
+from atorch.intra_layer.slices import drop, gather
 
 __all__ = [
     "Linear",
     "auto_parallelize",
     "clip_grad_norm_",
+    "drop",
+    "gather",
     "init",
     "install_gradient_sync",
     "parallelize_model",

@@ -65,3 +65,37 @@ def copy(x: torch.Tensor, axis: Axis) -> torch.Tensor:
 def reduce(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """All-reduce, summing partial results (backward: identity)."""
     return x if axis.size == 1 else mappings.reduce_from_region(x, axis.group)
+
+
+class _Drop(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        if x.shape[dim] % axis.size:
+            raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split over {axis.size} ranks")
+        return x.chunk(axis.size, dim)[axis.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_dim(grad, ctx.dim, ctx.axis), None, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return all_gather_dim(x, dim, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.axis.size, ctx.dim)[ctx.axis.rank].contiguous(), None, None
+
+
+def drop(x: torch.Tensor, axis: Axis, dim: int = -1) -> torch.Tensor:
+    """This rank's chunk of ``dim`` over ``axis`` (backward: all-gather)."""
+    return x if axis.size == 1 else _Drop.apply(x, axis, dim)
+
+
+def gather_dim(x: torch.Tensor, axis: Axis, dim: int = -1) -> torch.Tensor:
+    """The chunks of ``dim`` over ``axis`` concatenated (backward: keep this rank's chunk)."""
+    return x if axis.size == 1 else _Gather.apply(x, axis, dim)

@@ -3,10 +3,15 @@
 The weight ``(out_features, in_features)`` is cut into blocks: output features over one group of
 the grid, input features over another (row and column groups; ``transpose`` swaps them), and each
 block is sharded once more along its rows over the depth group (ZeRO-3 inside the layer).
-Inputs and outputs are ordinary activations: whole features, the batch split only over the data
-and depth ranks, so the layers around it do not change.
+Two contracts for the activations (the batch is split over the data and depth ranks in both):
 
-Forward on one rank, with ``x`` of shape (..., in_features):
+- whole (default): inputs and outputs carry all the features, the same on every rank of a
+  row x column group, so the layers around it do not change;
+- sliced (``expert_mode=True``, AxoNN's drop/gather contract): each rank passes its slice of the
+  input features (over the input-feature group) and gets back its slice of the output features
+  (over the output-feature group); the user parallelizes what lies between the layers.
+
+Forward on one rank, with ``x`` of shape (..., in_features) (the sliced contract skips 2 and 4):
 
 1. gather the depth shards into this rank's block (backward: reduce-scatter the block's gradient);
 2. keep this rank's slice of the input features (backward: all-gather);
@@ -34,6 +39,11 @@ def _axes(topology: Topology, transpose: bool) -> tuple[Axis, Axis, Axis]:
     return out_axis, in_axis, Axis.of(topology, "depth")
 
 
+def _group_names(transpose: bool) -> tuple[str, str]:
+    """(output-feature group, input-feature group) as the grid names them."""
+    return ("column", "row") if transpose else ("row", "column")
+
+
 def divides(in_features: int, out_features: int, topology: Topology, transpose: bool = False) -> bool:
     """Whether a layer of these sizes splits evenly over ``topology``'s grid."""
     out_axis, in_axis, depth = _axes(topology, transpose)
@@ -47,15 +57,23 @@ class Linear(nn.Module):
 
     - ``transpose``: split the output features over the column group and the input features
       over the row group instead of the reverse. The result is the same; it changes which group
-      carries which collective. (AxoNN alternates it so that in its expert mode, where the
-      activations stay split between layers, consecutive layers chain without re-gathering; here
-      activations are always whole, so it is a layout choice.)
+      carries which collective. Under the sliced contract (``expert_mode``) alternating it lets
+      consecutive layers chain without re-gathering, as AxoNN does.
     - ``skip_bias_add``: return ``(output, bias)`` without adding the bias (as Megatron's layers
       do, so the caller can fuse the addition with what follows); ``bias`` is ``None`` without one.
+    - ``expert_mode``: AxoNN's sliced contract. ``forward`` takes this rank's slice of the input
+      features (``local_in_features`` wide: the input-feature group's share, as AxoNN's ``drop``
+      cuts it) and returns this rank's slice of the output features (``local_out_features``
+      wide, with the matching slice of the bias), so consecutive layers (``transpose``
+      alternating) chain without gathering. Default ``False``: whole features in and out.
+      ``forward(x, scatter_input=, gather_output=)`` picks each side per call (AxoNN's older
+      keywords; ``True`` means whole). An input whose last dim is not what the contract
+      expects is an error that says which contract it fits.
     - ``topology``: the grid (default: the one set by :func:`atorch.intra_layer.init`).
 
     ``weight`` holds this rank's shard of shape ``(out / (O * D), in / I)`` (O, I: the sizes of the
-    output- and input-feature groups, D: depth); ``bias`` is whole on every rank. Loading a
+    output- and input-feature groups, D: depth); ``bias`` is whole on every rank.
+    ``local_in_features = in / I`` and ``local_out_features = out / O`` (AxoNN's names). Loading a
     serial ``nn.Linear`` state dict (full-shaped weight) shards it; a state dict of this layer
     (shard-shaped) loads as it is. :meth:`full_weight` gathers the whole weight.
     Initialized like ``nn.Linear`` in full with the current RNG state, then sliced, so ranks with
@@ -67,19 +85,23 @@ class Linear(nn.Module):
         layer = atorch.intra_layer.Linear(512, 2048)
         layer.load_state_dict(serial_linear.state_dict())
         y = layer(x)                                     # like serial_linear(x)
+
+        sliced = atorch.intra_layer.Linear(512, 2048, expert_mode=True)
+        y_local = sliced(x.chunk(2, -1)[col_rank])      # = y.chunk(2, -1)[row_rank]
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, transpose: bool = False,
-                 skip_bias_add: bool = False, *, device=None, dtype=None, topology: Topology | None = None,
-                 **unknown):
+                 skip_bias_add: bool = False, *, expert_mode: bool = False, device=None, dtype=None,
+                 topology: Topology | None = None, **unknown):
         if unknown:
             raise AtorchConfigError(
                 f"intra_layer.Linear got unknown keyword arguments {sorted(unknown)}; it takes in_features, "
-                "out_features, bias, transpose, skip_bias_add, device, dtype and topology"
+                "out_features, bias, transpose, skip_bias_add, expert_mode, device, dtype and topology"
             )
         super().__init__()
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.transpose, self.skip_bias_add = bool(transpose), bool(skip_bias_add)
+        self.expert_mode = bool(expert_mode)
         self.topology = topology if topology is not None else current()
         self._out, self._in, self._depth = _axes(self.topology, self.transpose)
         problems = []
@@ -94,6 +116,8 @@ class Linear(nn.Module):
                 f"{' and '.join(problems)}; change the sizes or the grid, or keep an nn.Linear here "
                 "(auto_parallelize does)"
             )
+        self.local_in_features = self.in_features // self._in.size
+        self.local_out_features = self.out_features // self._out.size
         full = torch.empty(self.out_features, self.in_features, device=device, dtype=dtype)
         # nn.Linear's initialization, drawn in full so every rank slices the same matrix.
         nn.init.kaiming_uniform_(full, a=math.sqrt(5))
@@ -105,10 +129,11 @@ class Linear(nn.Module):
         self.register_load_state_dict_pre_hook(_shard_full_weight)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, transpose: bool = False, topology: Topology | None = None) -> "Linear":
+    def from_linear(cls, linear: nn.Linear, transpose: bool = False, topology: Topology | None = None,
+                    expert_mode: bool = False) -> "Linear":
         """A 3D layer holding ``linear``'s weights (its shard of them); draws no random numbers."""
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, transpose=transpose,
-                    device="meta", dtype=linear.weight.dtype, topology=topology)
+                    expert_mode=expert_mode, device="meta", dtype=linear.weight.dtype, topology=topology)
         bias = None if linear.bias is None else linear.bias.detach()
         layer._set_parameters(linear.weight.detach(), bias)
         layer.weight.requires_grad_(linear.weight.requires_grad)
@@ -140,19 +165,59 @@ class Linear(nn.Module):
         block = comm.all_gather_dim(shard, 0, self._depth)
         return comm.all_gather_dim(comm.all_gather_dim(block, 1, self._in), 0, self._out)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, scatter_input: bool | None = None, gather_output: bool | None = None):
+        """``x @ W^T + b``. ``scatter_input``: ``x`` has the whole input features (this rank keeps its
+        slice) rather than its slice already; ``gather_output``: return the whole output features
+        rather than this rank's slice. Both default to ``not expert_mode``."""
+        whole_in = not self.expert_mode if scatter_input is None else bool(scatter_input)
+        whole_out = not self.expert_mode if gather_output is None else bool(gather_output)
+        self._check_input(x, whole_in)
         if not getattr(self.weight, "intra_layer_sharded", False):
             self._mark_shard()
         weight = comm.gather_shards(self.weight, self._depth)
-        h = comm.copy(comm.scatter(x, self._in), self._out)
-        y = comm.gather(comm.reduce(F.linear(h, weight), self._in), self._out)
+        h = comm.scatter(x, self._in) if whole_in else x
+        y = comm.reduce(F.linear(comm.copy(h, self._out), weight), self._in)
+        bias = self.bias
+        if whole_out:
+            y = comm.gather(y, self._out)
+        elif bias is not None:
+            # backward all-gathers the slices' gradients: the whole bias gets the whole gradient,
+            # as under the whole contract, so sync_gradients treats it the same either way
+            bias = comm.scatter(bias, self._out)
         if self.skip_bias_add:
-            return y, self.bias
-        return y if self.bias is None else y + self.bias
+            return y, bias
+        return y if bias is None else y + bias
+
+    def _check_input(self, x: torch.Tensor, whole: bool) -> None:
+        width = x.shape[-1] if x.dim() else None
+        expected = self.in_features if whole else self.local_in_features
+        if width == expected:
+            return
+        _, in_name = _group_names(self.transpose)
+        sliced = (f"this rank's slice of the input features ({self.local_in_features} = {self.in_features} / "
+                  f"{self._in.size} {in_name} ranks)")
+        if whole:
+            wanted = f"the whole input features ({self.in_features})"
+            fix = ("for AxoNN's contract (each rank its slice in, its slice of the output out) build the layer with "
+                   "expert_mode=True or call it with scatter_input=False")
+            fits = sliced if width == self.local_in_features else None
+        else:
+            wanted = sliced
+            fix = (f"cut the input to this rank's slice over the {in_name} group (atorch.intra_layer.drop does), or "
+                   "build the layer with expert_mode=False (or call it with scatter_input=True) to pass whole features")
+            fits = f"the whole input features ({self.in_features})" if width == self.in_features else None
+        got = f"last dim {width}" + (f", which is {fits}" if fits else
+                                     f", which is neither the whole input features ({self.in_features}) nor "
+                                     f"this rank's slice ({self.local_in_features})")
+        raise AtorchConfigError(
+            f"intra_layer.Linear({self.in_features}, {self.out_features}, expert_mode={self.expert_mode}) expects "
+            f"{wanted} for this call; got an input with {got}: {fix}"
+        )
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"transpose={self.transpose}, grid(out x in x depth)={self._out.size}x{self._in.size}x{self._depth.size}")
+                f"transpose={self.transpose}, expert_mode={self.expert_mode}, "
+                f"grid(out x in x depth)={self._out.size}x{self._in.size}x{self._depth.size}")
 
 
 def _shard_full_weight(module: Linear, state_dict, prefix, *args) -> None:
