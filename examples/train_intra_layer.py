@@ -9,6 +9,7 @@ on every rank and prints both losses (they agree to about 1e-6).
 """
 
 import argparse
+import functools
 
 import torch
 from torch import nn
@@ -63,7 +64,9 @@ def main() -> None:
     model.load_state_dict(serial.state_dict())  # full weights: each 3D layer keeps its shard
     # --check compares with the serial model on the same batches: no shuffling then
     loader = create_dataloader(data, args.global_batch, shuffle=not args.check)
-    losses = train(model, loader, args.steps, intra_layer.sync_gradients, intra_layer.clip_grad_norm_)
+    # each rank's loss is the mean over its share: mean=True makes the gradients the serial model's
+    sync = functools.partial(intra_layer.sync_gradients, mean=True)
+    losses = train(model, loader, args.steps, sync, intra_layer.clip_grad_norm_)
     reference = None
     if args.check:
         reference = train(serial, torch.utils.data.DataLoader(data, batch_size=args.global_batch), args.steps,

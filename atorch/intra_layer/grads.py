@@ -1,9 +1,11 @@
 """Gradients of a model with 3D layers: the data-parallel reduction, and global-norm clipping.
 
-Each rank computes the mean loss of its share of the global batch (split over data x depth).
-A replicated parameter's gradient is then averaged over the data x depth ranks. A 3D weight's
-shard already holds the sum over its depth ranks (the reduce-scatter of its backward), so it is
-summed over the data ranks that hold the same shard and divided by data x depth.
+Each rank computes the loss of its share of the global batch (split over data x depth). The
+reduction sums every gradient over those ranks, as AxoNN's ``sync_gradients`` does by default:
+a replicated parameter's gradient is summed over the data x depth ranks; a 3D weight's shard
+already holds the sum over its depth ranks (the reduce-scatter of its backward), so it is summed
+over the data ranks that hold the same shard. ``mean=True`` then divides by data x depth, which
+with a mean loss per rank gives the serial model's gradient on the whole global batch.
 """
 
 from collections.abc import Iterable
@@ -24,28 +26,41 @@ def _group_of(param: torch.Tensor, topology: Topology) -> dist.ProcessGroup | No
     return topology.data_parallel_group if topology.data_parallel_size > 1 else None
 
 
-def sync_gradients(model: torch.nn.Module, topology: Topology | None = None) -> None:
-    """Reduce every gradient over the ranks that share the global batch (call after ``backward``).
+def sync_gradients(model: torch.nn.Module, gradient_attr_name: str = "grad", mean: bool = False,
+                   vectorize: bool = False, expert_mode: bool = False, *, topology: Topology | None = None) -> None:
+    """Reduce every gradient over the ranks that see different samples (call after ``backward``).
 
-    Afterwards each gradient equals the serial model's on the whole global batch (with a mean
-    loss), whatever the grid: replicated parameters averaged over data x depth, 3D weight shards
-    summed over their data replicas and divided by data x depth. One all-reduce per group.
+    AxoNN's signature and default: ``mean=False`` sums, so every gradient is the sum of the
+    data x depth ranks' gradients (replicated parameters summed over data x depth, 3D weight
+    shards over their data replicas, their depth sum being done by the layer's backward).
+    ``mean=True`` divides by data x depth: with a mean loss on each rank's share, the gradients
+    then equal the serial model's on the whole global batch, whatever the grid. One all-reduce
+    per group, on one flattened buffer.
+
+    - ``gradient_attr_name``: the attribute holding each parameter's gradient (``"grad"``, or for
+      example a ``main_grad`` kept beside it).
+    - ``vectorize``: accepted for AxoNN's signature; the gradients of a group are always reduced
+      as one flattened buffer (the numbers are the same either way).
+    - ``expert_mode``: accepted for AxoNN's signature; the reduction is the same under both
+      contracts of :class:`intra_layer.Linear` (its bias gets the whole gradient under both), so
+      it changes nothing.
 
     Example::
 
-        loss = loss_fn(model(batch), target)      # this rank's share of the global batch
+        loss = loss_fn(model(batch), target)      # mean over this rank's share of the global batch
         loss.backward()
-        atorch.intra_layer.sync_gradients(model)
+        atorch.intra_layer.sync_gradients(model, mean=True)   # now the serial model's gradients
         optimizer.step()
     """
     topology = topology if topology is not None else current()
-    scale = 1.0 / topology.data_parallel_size
+    scale = 1.0 / topology.data_parallel_size if mean else 1.0
     buckets: dict[int, tuple[dist.ProcessGroup | None, list[torch.Tensor]]] = {}
     for param in model.parameters():
-        if param.grad is None:
+        grad = getattr(param, gradient_attr_name, None)
+        if grad is None:
             continue
         group = _group_of(param, topology)
-        buckets.setdefault(id(group), (group, []))[1].append(param.grad)
+        buckets.setdefault(id(group), (group, []))[1].append(grad)
     for group, grads in buckets.values():
         if group is not None:
             flat = _flatten_dense_tensors(grads)
@@ -57,23 +72,25 @@ def sync_gradients(model: torch.nn.Module, topology: Topology | None = None) -> 
                 grad.mul_(scale)
 
 
-def install_gradient_sync(model: torch.nn.Module, topology: Topology | None = None) -> list:
+def install_gradient_sync(model: torch.nn.Module, topology: Topology | None = None, *, mean: bool) -> list:
     """Make ``backward`` itself leave synchronized gradients (what DDP does for a plain model).
 
     Registers a hook on every trainable parameter that applies :func:`sync_gradients`'
-    reduction to the gradient arriving from each backward, before it is accumulated into
-    ``.grad`` (so accumulating over several backwards stays correct); the ``tensor_parallel``
-    method's 3d algorithm uses it in place of DDP. Returns the hook handles.
+    reduction (summed, or with ``mean=True`` averaged, over data x depth; no default, since the
+    two differ by that factor) to the gradient arriving from each backward, before it is
+    accumulated into ``.grad`` (so accumulating over several backwards stays correct); the
+    ``tensor_parallel`` method's 3d algorithm uses it with ``mean=True`` in place of DDP.
+    Returns the hook handles.
     """
     topology = topology if topology is not None else current()
-    scale = 1.0 / topology.data_parallel_size
+    scale = 1.0 / topology.data_parallel_size if mean else 1.0
 
     def make_hook(group):
         def hook(grad):
             grad = grad.clone()
             if group is not None:
                 dist.all_reduce(grad, group=group)
-            return grad.mul_(scale)
+            return grad.mul_(scale) if scale != 1.0 else grad
         return hook
 
     return [param.register_hook(make_hook(_group_of(param, topology)))

@@ -78,7 +78,7 @@ def shard_3d(ctx: ModelContext, config: TensorParallelConfig) -> None:
         )
     # DDP would average the weight shards over depth, where they differ: hooks reduce each
     # gradient over its own group instead (data x depth, or the data replicas of a shard).
-    install_gradient_sync(ctx.model, ctx.topology)
+    install_gradient_sync(ctx.model, ctx.topology, mean=True)  # the loss is a mean over each rank's share
     ctx.wrapped_by = "tensor_parallel"
     logger.info("tensor_parallel: 3d grid row %d x col %d x depth %d, %d Linear layers: %s", row, col, depth,
                 len(replaced), ", ".join(replaced))

@@ -2,6 +2,7 @@
 create_dataloader), and the errors users can run into."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -57,7 +58,8 @@ def _grid_run(g_data, r, c, d) -> dict:
     model.load_state_dict(mlp().state_dict())
     kinds = [type(m).__name__ for m in model if isinstance(m, (nn.Linear, intra_layer.Linear))]
     loader = create_dataloader(dataset(), GLOBAL_BATCH)
-    losses, norms, grads = _train(model, loader, intra_layer.sync_gradients, intra_layer.clip_grad_norm_)
+    sync = functools.partial(intra_layer.sync_gradients, mean=True)  # each rank's loss is a mean
+    losses, norms, grads = _train(model, loader, sync, intra_layer.clip_grad_norm_)
     global_losses = []
     for loss in losses:  # mean over the data x depth ranks = the global batch's mean
         loss = loss.clone()
@@ -74,7 +76,36 @@ def _grid_run(g_data, r, c, d) -> dict:
             grad_diff = max(grad_diff, (grad - ref_grads[pname]).abs().max().item())
     return {"losses": global_losses, "ref_losses": [x.item() for x in ref_losses], "norms": norms,
             "ref_norms": ref_norms, "kinds": kinds, "batch": len(next(iter(loader))[0]), "grad_diff": grad_diff,
-            "dp": topology.data_parallel_size}
+            "dp": topology.data_parallel_size, "sum_and_mean": _sum_and_mean(model, ref_grads, topology)}
+
+
+def _full(model: nn.Module, name: str, grad: torch.Tensor) -> torch.Tensor:
+    module = model.get_submodule(name.rsplit(".", 1)[0])
+    if isinstance(module, intra_layer.Linear) and name.endswith("weight"):
+        return module.full_weight(grad)
+    return grad
+
+
+def _sum_and_mean(model: nn.Module, ref_grads: dict, topology) -> dict:
+    """sync_gradients' default (AxoNN's mean=False) sums over the data x depth ranks: G times the
+    serial gradient of the mean loss; mean=True gives the serial gradient (G = data x depth)."""
+    torch.manual_seed(0)
+    model.load_state_dict(mlp().state_dict())  # back to the serial initial weights
+    model.zero_grad()
+    x, y = next(iter(create_dataloader(dataset(), GLOBAL_BATCH)))
+    nn.functional.cross_entropy(model(x), y).backward()
+    for param in model.parameters():
+        param.main_grad = param.grad.clone()
+    intra_layer.sync_gradients(model)
+    intra_layer.sync_gradients(model, gradient_attr_name="main_grad", mean=True)
+    g = topology.data_parallel_size
+    diffs = {"sum": 0.0, "mean": 0.0}
+    for name, param in model.named_parameters():
+        ref = ref_grads[name]
+        diffs["sum"] = max(diffs["sum"], ((_full(model, name, param.grad) - g * ref).abs().max() / ref.abs().max()).item())
+        diffs["mean"] = max(diffs["mean"], ((_full(model, name, param.main_grad) - ref).abs().max()
+                                            / ref.abs().max()).item())
+    return diffs
 
 
 def _all_grids():
@@ -99,9 +130,14 @@ def _all_grids():
     return results, kinds
 
 
+@functools.cache
+def _four_ranks() -> list:
+    """Every 4-rank check of this file in one spawn (spawning costs more than they do)."""
+    return run_distributed(_all_grids, 4)
+
+
 def test_auto_parallelized_mlp_trains_like_serial_on_4_ranks():
-    per_rank = run_distributed(_all_grids, 4)
-    for results, kinds in per_rank:
+    for results, kinds in _four_ranks():
         assert kinds == ["intra_layer", "intra_layer", "nn"]  # 16 -> 3 does not divide by 2
         for grid, res in zip(GRIDS, results):
             assert res["kinds"] == ["Linear", "Linear", "Linear"]
@@ -110,6 +146,15 @@ def test_auto_parallelized_mlp_trains_like_serial_on_4_ranks():
             for got, want in zip(res["losses"] + res["norms"], res["ref_losses"] + res["ref_norms"]):
                 assert abs(got - want) <= 1e-5 * abs(want), (grid, res)
             assert res["norms"][0] > CLIP  # clipping was active
+
+
+def test_sync_gradients_sums_by_default_and_averages_with_mean_on_4_ranks():
+    """AxoNN's sync_gradients(model, gradient_attr_name="grad", mean=False, ...): the default sums
+    over data x depth (G = 2, 4, 2 on the grids here), mean=True is the serial gradient."""
+    for results, _ in _four_ranks():
+        for grid, res in zip(GRIDS, results):
+            assert res["sum_and_mean"]["sum"] <= 1e-5, (grid, res["sum_and_mean"])
+            assert res["sum_and_mean"]["mean"] <= 1e-5, (grid, res["sum_and_mean"])
 
 
 def test_nn_linear_is_restored_even_after_an_exception():
