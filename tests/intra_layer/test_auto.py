@@ -114,6 +114,12 @@ def _all_grids():
     intra_layer.init(G_intra_c=2, G_intra_d=2)
     with pytest.raises(WorldSizeError, match="does not divide over 2 data-parallel ranks"):
         create_dataloader(dataset(), 3)
+    # AxoNN's order: the third argument is the micro batch size, which must divide each rank's batch
+    loader = create_dataloader(dataset(), 8, 2)
+    assert (loader.batch_size, loader.micro_batch_size, loader.num_micro_batches, loader.num_workers) == (4, 2, 2, 0)
+    with pytest.raises(WorldSizeError, match=r"micro_batch_size=3 does not divide each rank's batch of 4 samples "
+                                             r"\(global batch 8 / 2 data x depth ranks\)"):
+        create_dataloader(dataset(), 8, 3)
     with pytest.raises(WorldSizeError, match=r"in_features=3 must divide by 2 \(the input-feature group\)"):
         intra_layer.Linear(3, 4)
     with pytest.raises(WorldSizeError, match=r"out_features=3 must divide by 2 \(output-feature group x depth\)"):
@@ -172,6 +178,6 @@ def test_nn_linear_is_restored_even_after_an_exception():
 def test_user_errors():
     intra_layer.init()
     with pytest.raises(AtorchConfigError, match="by keyword"):
-        create_dataloader(dataset(), 8, 0, True)
+        create_dataloader(dataset(), 8, 4, 0, True)
     with pytest.raises(WorldSizeError, match="no 3D tensor-parallel grid|world size is 1"):
         intra_layer.init(G_data=2)
