@@ -124,14 +124,28 @@ def test_sharding_methods_conflict_with_each_other():
             plan_strategy(Strategy(["parallel_mode", *pair]), device_ctx(2))
 
 
-def test_missing_backends_are_dropped_with_the_install_hint():
+BACKENDS = [("deepspeed", ("zero1", {"use_ds_zero": True})), ("fairscale", ("zero2", {"not_use_fsdp": True}))]
+
+
+@pytest.mark.parametrize("installed", [True, False], ids=["installed", "missing"])
+@pytest.mark.parametrize("package, method", BACKENDS, ids=[b[0] for b in BACKENDS])
+def test_optional_backends_are_kept_when_installed_and_dropped_with_the_install_hint_when_not(
+        package, method, installed, monkeypatch):
+    """Both branches run whatever this machine has: find_spec is made to answer either way."""
     import importlib.util
 
-    if importlib.util.find_spec("deepspeed") is None:
-        strategy, notes = plan_strategy(Strategy(["parallel_mode", ("zero1", {"use_ds_zero": True})]), device_ctx(2))
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        if name == package or name.startswith(package + "."):
+            return real_find_spec("json") if installed else None  # any spec stands for "installed"
+        return real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    strategy, notes = plan_strategy(Strategy(["parallel_mode", method]), device_ctx(2))
+    if installed:
+        assert strategy.opt_names == ["parallel_mode", method[0]]
+        assert not any(f"atorch[{package}]" in n for n in notes), notes
+    else:
         assert strategy.opt_names == ["parallel_mode"]
-        assert any("atorch[deepspeed]" in n for n in notes)
-    if importlib.util.find_spec("fairscale") is None:
-        strategy, notes = plan_strategy(Strategy(["parallel_mode", ("zero2", {"not_use_fsdp": True})]), device_ctx(2))
-        assert strategy.opt_names == ["parallel_mode"]
-        assert any("atorch[fairscale]" in n for n in notes)
+        assert any(f"{method[0]}: dropped" in n and f"atorch[{package}]" in n for n in notes), notes
