@@ -3,9 +3,9 @@
 import torch
 
 from atorch.auto import auto_accelerate
-from tests.helpers.models import local_numel, optimizer_state_numel, run_steps
+from tests.helpers.models import linear_dtypes, local_numel, optimizer_state_numel, replicated_params, train_steps
 
-VOCAB = 96
+VOCAB, SEQ = 96, 16
 
 
 def tiny_llama(seed: int = 0, lora: bool = False):
@@ -28,7 +28,7 @@ def tiny_llama(seed: int = 0, lora: bool = False):
 
 
 class CountingTokens(torch.utils.data.Dataset):
-    def __init__(self, n: int = 64, seq: int = 16):
+    def __init__(self, n: int = 64, seq: int = SEQ):
         gen = torch.Generator().manual_seed(0)
         start = torch.randint(0, VOCAB, (n, 1), generator=gen)
         self.tokens = (start + torch.arange(seq)) % VOCAB
@@ -40,14 +40,17 @@ class CountingTokens(torch.utils.data.Dataset):
         return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
 
 
-def train_hf(load_strategy, steps: int = 5, lora: bool = False, lr: float = 1e-2) -> dict:
+def train_hf(load_strategy, steps: int = 5, lora: bool = False, lr: float = 1e-2, micro_batches: int = 1,
+             param_dtype: torch.dtype | None = None) -> dict:
+    """Train the tiny Llama through auto_accelerate (see models.train_steps for the last two)."""
     model = tiny_llama(lora=lora)
     frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     _, result, strategy = auto_accelerate(
         model, torch.optim.AdamW, CountingTokens(), lambda batch, out: out.loss, optim_args={"lr": lr},
         dataloader_args={"batch_size": 8}, model_input_format="unpack_dict", load_strategy=load_strategy,
     )
-    losses, _ = run_steps(result, steps)
+    with linear_dtypes(result.model) as dtypes:
+        steps_out = train_steps(result, steps, micro_batches=micro_batches, param_dtype=param_dtype)
     from torch.distributed.tensor import DTensor
 
     def full(p):
@@ -57,7 +60,9 @@ def train_hf(load_strategy, steps: int = 5, lora: bool = False, lr: float = 1e-2
         torch.equal(full(p).detach(), frozen_before[n]) for n, p in model.named_parameters() if n in frozen_before
     )
     return {
-        "losses": losses,
+        **steps_out,
+        "replicated": replicated_params(result.model),
+        "linear_dtypes": sorted(str(d) for d in dtypes),
         "strategy": strategy.to_json(),
         "frozen_unchanged": frozen_unchanged,
         "n_frozen": len(frozen_before),
@@ -96,6 +101,7 @@ def train_family(family: str, load_strategy, steps: int = 5, lr: float = 1e-2) -
         model, torch.optim.AdamW, CountingTokens(), lambda batch, out: out.loss, optim_args={"lr": lr},
         dataloader_args={"batch_size": 8}, model_input_format="unpack_dict", load_strategy=load_strategy,
     )
-    losses, _ = run_steps(result, steps)
+    steps_out = train_steps(result, steps)
     kinds = sorted({type(m).__name__ for m in result.model.modules() if "Parallel" in type(m).__name__})
-    return {"losses": losses, "strategy": strategy.to_json(), "parallel_modules": kinds}
+    return {**steps_out, "replicated": replicated_params(result.model), "strategy": strategy.to_json(),
+            "parallel_modules": kinds}

@@ -89,5 +89,5 @@ def test_module_replace_with_fsdp_on_2_ranks_matches_single_process():
     reference = train_hf([])
     strategy = ["parallel_mode", ("module_replace", {"pairs": ["hf_rmsnorm"]}), "fsdp"]
     results = run_distributed(train_hf, 2, strategy)
-    assert_ranks_agree(results)
+    assert_ranks_agree(results, train_hf([], micro_batches=2), FP32_RTOL)  # fsdp replicates nothing
     assert_losses_close(results[0]["losses"], reference["losses"], FP32_RTOL)

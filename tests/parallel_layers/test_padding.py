@@ -54,7 +54,7 @@ def test_grouped_query_attention_is_refused():
 def _padded_tp2():
     from atorch.auto import auto_accelerate
     from tests.helpers.hf import CountingTokens
-    from tests.helpers.models import run_steps
+    from tests.helpers.models import replicated_params, run_steps
 
     model = pad_model(three_head_llama(), tp_degree=2, n_heads=3)
     _, result, _ = auto_accelerate(model, torch.optim.AdamW, CountingTokens(), lambda b, o: o.loss,
@@ -62,7 +62,7 @@ def _padded_tp2():
                                    model_input_format="unpack_dict",
                                    load_strategy=[("parallel_mode", ([("tensor", 2), ("data", 1)], None)),
                                                   "tensor_parallel"])
-    return {"losses": run_steps(result, 5)[0]}
+    return {"losses": run_steps(result, 5)[0], "replicated": replicated_params(result.model)}
 
 
 def test_padded_heads_split_over_2_ranks_train_like_the_original():
