@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.helpers.compare import assert_ranks_agree
+from tests.helpers.compare import assert_ranks_agree, assert_sensitive
 
 LOSSES = [4.0, 3.9, 3.8, 3.7, 3.6]
 
@@ -33,3 +33,9 @@ def test_nothing_to_compare_is_an_error_not_a_pass():
     fully_sharded = [{**_rank(r, LOSSES, 2.0), "replicated": {}} for r in range(2)]
     with pytest.raises(AssertionError, match="nothing per rank to compare"):
         assert_ranks_agree(fully_sharded)
+
+
+def test_a_control_the_check_cannot_tell_apart_fails():
+    assert_sensitive(LOSSES, {"lr=0": [4.0] * 5}, 1e-3)
+    with pytest.raises(AssertionError, match="cannot tell this run from the control 'lr=0'"):
+        assert_sensitive(LOSSES, {"lr=0": [a * (1 + 1e-4) for a in LOSSES]}, 1e-3)

@@ -4,8 +4,21 @@ import math
 
 import torch
 
+# fp32 runs against a whole-batch serial reference: the gradient sums run in another order.
 FP32_RTOL = 1e-5
-BF16_RTOL = 5e-3
+# bf16/fp16 runs against a serial reference of the same precision made to compute like the
+# ranks (tests/helpers/models.train_steps: one thread, the global batch cut into the ranks'
+# micro-batches, FSDP2's parameter cast emulated with param_dtype). Noise floor, measured: 0.
+# amp_native bf16/fp16 under DDP and zero1, half under DDP, amp bf16 under fsdp/zero2, fsdp
+# param_dtype=bf16, every file in strategies/ (tiny Llama) and LoRA + checkpoint match their
+# reference bit for bit, losses and each rank's own loss. The same reference on 2 threads
+# (LayerNorm's weight grads summed in another order) moves bf16 losses by up to 5e-5, and
+# clipping sharded grads under fsdp by 1.5e-4: an fp32 rounding difference flips bf16 casts
+# later on, so these checks need the exact reference, not a wider tolerance.
+# The effects it must catch: fp32 instead of bf16 moves the losses by 2.8e-6 (LoRA) to 3.8e-3
+# (tiny transformer 5.8e-5 to 3.1e-4), fp32 instead of fp16 by 8.9e-6; lr=0 by 1.3e-3 or more.
+# 5e-7 is about 4 fp32 ulps of a loss near 4.5 and 5x below the smallest effect.
+LOW_PRECISION_RTOL = 5e-7
 
 
 def assert_losses_close(actual, expected, rtol):
@@ -13,6 +26,22 @@ def assert_losses_close(actual, expected, rtol):
     for step, (a, e) in enumerate(zip(actual, expected)):
         assert math.isfinite(a), f"step {step}: loss {a}"
         assert abs(a - e) <= rtol * abs(e), f"step {step}: {a} vs reference {e} (rtol {rtol})\n{actual}\n{expected}"
+
+
+def assert_sensitive(actual, controls: dict, rtol):
+    """Negative controls: ``actual`` must NOT match any control run (the feature off) within ``rtol``.
+
+    Shows that the comparison that passed could have failed: a reference with lr=0, or without
+    the feature (fp32 instead of bf16), is further from the run than the tolerance.
+    """
+    assert controls, "no negative control given"
+    for name, control in controls.items():
+        try:
+            assert_losses_close(actual, control, rtol)
+        except AssertionError:
+            continue
+        raise AssertionError(f"the check cannot tell this run from the control {name!r} at rtol {rtol}:\n"
+                             f"{actual}\n{control}")
 
 
 def assert_ranks_agree(results, reference=None, rtol: float = 0.0):

@@ -2,7 +2,7 @@ import torch
 
 from atorch.auto import auto_accelerate
 from atorch.methods.half import cast_floats
-from tests.helpers.compare import BF16_RTOL, assert_losses_close, assert_ranks_agree
+from tests.helpers.compare import LOW_PRECISION_RTOL, assert_losses_close, assert_ranks_agree, assert_sensitive
 from tests.helpers.dist import run_distributed
 from tests.helpers.models import train_losses
 
@@ -27,7 +27,13 @@ def test_cast_floats_keeps_structure():
 
 def test_half_on_2_ranks_matches_single_process():
     strategy = ["parallel_mode", ("half", "bf16")]
-    reference = train_losses(strategy, lr=0.05)
+    reference = train_losses(strategy, lr=0.05, micro_batches=2)  # bf16 too, on the ranks' micro-batches
     results = run_distributed(train_losses, 2, strategy, lr=0.05)
-    assert_ranks_agree(results)
-    assert_losses_close(results[0]["losses"], reference["losses"], BF16_RTOL)
+    assert results[0]["linear_dtypes"] == ["torch.bfloat16"]
+    assert all(p.dtype == torch.bfloat16 for p in results[0]["replicated"].values())
+    assert_ranks_agree(results, reference, LOW_PRECISION_RTOL)
+    assert_losses_close(results[0]["losses"], reference["losses"], LOW_PRECISION_RTOL)
+    # Negative controls: without training, or in fp32, the same check fails.
+    assert_sensitive(results[0]["losses"], {"lr=0": train_losses(strategy, lr=0.0, micro_batches=2)["losses"],
+                                            "fp32": train_losses([], lr=0.05, micro_batches=2)["losses"]},
+                     LOW_PRECISION_RTOL)
