@@ -9,11 +9,15 @@ memory is allocated, and each strategy's sharding code runs for real:
   the rank's parameters are its DTensor shards (with FSDP2's padding of dim 0 to the world size);
 - ``zero1``: ``ZeroRedundancyOptimizer``'s own partition of the parameters between ranks (it
   assigns whole tensors, so ranks are uneven);
-- ``zero2``: the FSDP2 shards for gradients and optimizer state, full parameters (it keeps
-  the unsharded parameters from forward to backward);
+- ``zero2``: ``fully_shard`` as zero2 applies it (``reshard_after_forward=False``): parameters,
+  gradients and optimizer state are sharded between steps, and every unit's parameters are
+  gathered in forward and stay gathered until its backward;
 - ``ddp``: everything replicated.
-Three columns sit side by side: the sharded count ("measured"), atorch's cost model (what
-``atorch plan`` and the search use), and the hand formula ``N * bytes / world``. fp32 weights and
+Per strategy: ``params`` (kept between steps: the rank's shards), ``gathered`` (parameters
+unsharded at the peak between forward and backward: FSDP2 all-gathers a unit's padded shards into
+one buffer of world x shard elements; zero2 holds every unit's, fsdp the root's and one block's),
+``grads`` and ``optim``. Columns side by side: at rest, peak (with ``gathered``), atorch's cost
+model (what ``atorch plan`` and the search use), and the textbook formula. fp32 weights and
 gradients, AdamW (two fp32 moments). Activations do not depend on these strategies and are left
 to ``atorch plan``.
 """
@@ -59,32 +63,59 @@ def fake_world(world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
-def sharded_counts(name: str, world_size: int) -> dict[str, dict[str, int]]:
-    """Elements per rank (params, grads, optimizer moments) under each strategy, from the sharding code."""
-    import torch.distributed as dist
+def _local(param) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+
+
+def _unit_gathered(unit: torch.nn.Module, world_size: int) -> int:
+    """Elements FSDP2 allocates to unshard ``unit``'s own parameters: world x its padded shards.
+
+    Rank 0 holds the largest (padded) shard of every tensor, so world x rank 0's shard is the
+    all-gather output. Parameters of nested units are theirs, not this unit's.
+    """
+    nested = {id(p) for child in unit.modules() if child is not unit and hasattr(child, "unshard")
+              for p in child.parameters()}
+    return world_size * sum(_local(p) for p in unit.parameters() if id(p) not in nested)
+
+
+def _sharded(name: str, world_size: int, reshard_after_forward: bool):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    model = meta_model(name)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def sharded_counts(name: str, world_size: int) -> dict[str, dict[str, int]]:
+    """Elements per rank (params, gathered, grads, optimizer moments) from the sharding code."""
+    import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.distributed.tensor import DTensor
 
     fake_world(world_size)
     try:
         total = sum(p.numel() for p in meta_model(name).parameters())
-        out = {"ddp": {"params": total, "grads": total, "optim": 2 * total}}
+        out = {"ddp": {"params": total, "gathered": 0, "grads": total, "optim": 2 * total}}
 
         model = meta_model(name)
         zero = ZeroRedundancyOptimizer(list(model.parameters()), optimizer_class=torch.optim.AdamW)
         mine = sum(p.numel() for p in zero._partition_parameters()[0][0]["params"])
-        out["zero1"] = {"params": total, "grads": total, "optim": 2 * mine}
+        out["zero1"] = {"params": total, "gathered": 0, "grads": total, "optim": 2 * mine}
 
-        model = meta_model(name)
-        mesh = init_device_mesh("cpu", (world_size,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
-        out["fsdp"] = {"params": local, "grads": local, "optim": 2 * local}
-        out["zero2"] = {"params": total, "grads": local, "optim": 2 * local}
+        for strategy, reshard in (("fsdp", True), ("zero2", False)):
+            model = _sharded(name, world_size, reshard)
+            local = sum(_local(p) for p in model.parameters())
+            units = [model, *model.model.layers]
+            if reshard:  # fsdp: the root stays gathered from forward to backward, blocks one at a time
+                gathered = _unit_gathered(model, world_size) + max(_unit_gathered(u, world_size) for u in units[1:])
+            else:  # zero2: every unit stays gathered until its backward
+                gathered = sum(_unit_gathered(u, world_size) for u in units)
+            out[strategy] = {"params": local, "gathered": gathered, "grads": local, "optim": 2 * local}
         return out
     finally:
         dist.destroy_process_group()
@@ -105,11 +136,12 @@ def cost_model(name: str, world_size: int) -> dict[str, dict[str, int]]:
 
 
 def by_hand(total: int, world_size: int) -> dict[str, dict[str, int]]:
+    """The textbook ZeRO stages: N parameters, sharded terms N / world; zero2 gathers all N."""
     shard = math.ceil(total / world_size)
-    return {"ddp": {"params": total, "grads": total, "optim": 2 * total},
-            "zero1": {"params": total, "grads": total, "optim": 2 * shard},
-            "zero2": {"params": total, "grads": shard, "optim": 2 * shard},
-            "fsdp": {"params": shard, "grads": shard, "optim": 2 * shard}}
+    return {"ddp": {"params": total, "gathered": 0, "grads": total, "optim": 2 * total},
+            "zero1": {"params": total, "gathered": 0, "grads": total, "optim": 2 * shard},
+            "zero2": {"params": shard, "gathered": total, "grads": shard, "optim": 2 * shard},
+            "fsdp": {"params": shard, "gathered": 0, "grads": shard, "optim": 2 * shard}}
 
 
 def run(names: list[str], world_sizes: list[int]) -> list[dict]:
@@ -119,21 +151,24 @@ def run(names: list[str], world_sizes: list[int]) -> list[dict]:
         for world in world_sizes:
             measured, model, hand = sharded_counts(name, world), cost_model(name, world), by_hand(total, world)
             for strategy in STRATEGIES:
-                def gib(counts):
-                    return 4 * sum(counts[strategy].values()) / GIB
+                def gib(counts, keys=("params", "gathered", "grads", "optim")):
+                    return 4 * sum(counts[strategy].get(k, 0) for k in keys) / GIB
                 rows.append({"model": name, "params": total, "world_size": world, "strategy": strategy,
                              "measured": measured[strategy], "cost_model": model[strategy], "hand": hand[strategy],
+                             "at_rest_gib": gib(measured, ("params", "grads", "optim")),
                              "measured_gib": gib(measured), "cost_model_gib": gib(model), "hand_gib": gib(hand)})
     return rows
 
 
 def report(rows: list[dict], out: str, plot: str | None) -> str:
-    body = [[r["model"], f"{r['params'] / 1e9:.2f}B", r["world_size"], r["strategy"], f"{r['measured_gib']:.3f}",
-             f"{r['cost_model_gib']:.3f}", f"{r['hand_gib']:.3f}", f"{r['cost_model_gib'] / r['measured_gib']:.3f}"]
+    body = [[r["model"], f"{r['params'] / 1e9:.2f}B", r["world_size"], r["strategy"], f"{r['at_rest_gib']:.3f}",
+             f"{r['measured_gib']:.3f}", f"{r['cost_model_gib']:.3f}", f"{r['hand_gib']:.3f}",
+             f"{r['cost_model_gib'] / r['measured_gib']:.3f}"]
             for r in rows]
-    markdown = harness.table(["model", "params", "ranks", "strategy", "sharded (fake PG) GiB", "cost model GiB",
-                              "by hand GiB", "cost model / sharded"], body)
-    harness.write(out, {"rows": rows, "note": "params + grads + AdamW moments per rank, fp32"}, markdown)
+    markdown = harness.table(["model", "params", "ranks", "strategy", "sharded at rest GiB", "sharded peak GiB",
+                              "cost model GiB", "by hand GiB", "cost model / peak"], body)
+    harness.write(out, {"rows": rows, "note": "params (+ gathered at the peak) + grads + AdamW moments per rank, fp32"},
+                  markdown)
     if plot:
         _plot(rows, plot)
     return markdown
@@ -156,7 +191,7 @@ def _plot(rows: list[dict], path: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("ranks")
-        ax.set_ylabel("GiB per rank (params+grads+AdamW)")
+        ax.set_ylabel("peak GiB per rank (params+grads+AdamW)")
         ax.set_title(model)
         ax.legend(fontsize=8)
     fig.tight_layout()
