@@ -37,12 +37,47 @@ def test_llama_layers_are_replaced():
     assert kinds == ["ColumnParallelLinear", "ParallelEmbedding", "RowParallelLinear"]
 
 
-def test_llama_tp2_matches_single_process():
+def _trained_with_norm_inputs(strategy) -> dict:
+    """Train the tiny Llama; also return the shapes every RMSNorm received (the activations
+    between the blocks, where sequence parallelism splits the sequence dim)."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    from tests.helpers.hf import train_hf
+
+    shapes = set()
+
+    def record(module, args):
+        if type(module).__name__ == "LlamaRMSNorm":
+            shapes.add(tuple(args[0].shape))
+
+    handle = register_module_forward_pre_hook(record)
+    try:
+        result = train_hf(strategy)
+    finally:
+        handle.remove()
+    return {**result, "norm_input_shapes": sorted(shapes)}
+
+
+def _llama_tp2_with_and_without_sequence_parallel():
+    return {"tp": _trained_with_norm_inputs(TP2), "sp": _trained_with_norm_inputs(TP2 + ["sequence_parallel"])}
+
+
+@pytest.fixture(scope="module")
+def llama_tp2_runs():
+    """Llama on 2 tensor-parallel ranks, with and without sequence parallelism (one spawn)."""
     pytest.importorskip("transformers")
+    return run_distributed(_llama_tp2_with_and_without_sequence_parallel, 2)
+
+
+def sequence_dims_between_blocks(result) -> set[int]:
+    return {shape[1] for shape in result["norm_input_shapes"]}
+
+
+def test_llama_tp2_matches_single_process(llama_tp2_runs):
     from tests.helpers.hf import train_hf
 
     reference = train_hf([])
-    results = run_distributed(train_hf, 2, TP2)
+    results = [rank["tp"] for rank in llama_tp2_runs]
     assert_ranks_agree(results)
     assert_losses_close(results[0]["losses"], reference["losses"], FP32_RTOL)
 
@@ -96,14 +131,19 @@ def test_gpt2_and_bert_tp2_match_single_process(family):
     assert_losses_close(results[0]["losses"], reference["losses"], FP32_RTOL)
 
 
-def test_llama_tp2_with_sequence_parallel_matches_single_process():
-    pytest.importorskip("transformers")
-    from tests.helpers.hf import train_hf
+def test_llama_tp2_with_sequence_parallel_matches_single_process(llama_tp2_runs):
+    from tests.helpers.hf import SEQ, train_hf
 
     reference = train_hf([])
-    results = run_distributed(train_hf, 2, TP2 + ["sequence_parallel"])
+    results = [rank["sp"] for rank in llama_tp2_runs]
+    # The norms run on each rank's own tokens and their grads are summed over the tensor group:
+    # a rank that missed that sum would end on other norm weights than its peer.
     assert_ranks_agree(results)
     assert Strategy.from_json(results[0]["strategy"]).opt_names[-1] == "sequence_parallel"
+    # Between the blocks each rank holds half of the sequence (batch, SEQ / 2, hidden) ...
+    assert all(sequence_dims_between_blocks(r) == {SEQ // 2} for r in results), results[0]["norm_input_shapes"]
+    # ... which is what tells it from plain tensor parallelism (negative control: whole sequence).
+    assert all(sequence_dims_between_blocks(rank["tp"]) == {SEQ} for rank in llama_tp2_runs)
     assert_losses_close(results[0]["losses"], reference["losses"], FP32_RTOL)
 
 
