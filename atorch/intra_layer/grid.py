@@ -15,10 +15,11 @@ from atorch.distributed.topology import Topology
 from atorch.errors import WorldSizeError
 
 
-def init(G_data: int = 1, G_inter: int = 1, G_intra_r: int = 1, G_intra_c: int = 1, G_intra_d: int = 1) -> Topology:
+def init(G_inter: int = 1, G_data: int = 1, G_intra_r: int = 1, G_intra_c: int = 1, G_intra_d: int = 1) -> Topology:
     """Build the data x pipeline x (row x column x depth) grid over every process; return it.
 
-    The product of the five sizes must equal the world size. Ranks are laid out innermost first:
+    The arguments are in AxoNN's positional order (``G_inter`` first, then ``G_data``); keywords
+    read best. The product of the five sizes must equal the world size. Ranks are laid out innermost first:
     row, column, depth (together the ``tensor`` dim), then data, then pipeline (``G_inter``).
     A collective call: every rank runs it after ``atorch.init_distributed()``.
 
@@ -28,7 +29,7 @@ def init(G_data: int = 1, G_inter: int = 1, G_intra_r: int = 1, G_intra_c: int =
         atorch.intra_layer.init(G_data=2, G_intra_r=2)       # 4 processes
         layer = atorch.intra_layer.Linear(1024, 4096)
     """
-    sizes = {"G_data": G_data, "G_inter": G_inter, "G_intra_r": G_intra_r, "G_intra_c": G_intra_c,
+    sizes = {"G_inter": G_inter, "G_data": G_data, "G_intra_r": G_intra_r, "G_intra_c": G_intra_c,
              "G_intra_d": G_intra_d}
     for name, size in sizes.items():
         if not isinstance(size, int) or size < 1:
