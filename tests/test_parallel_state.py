@@ -48,31 +48,39 @@ def test_getters_before_initialization_say_what_to_do():
         parallel_state.get_tensor_model_parallel_size()
 
 
-def _grid_groups(sizes):
+GRIDS = [  # (AxoNN grid sizes, data-parallel groups, tensor-parallel groups) on 4 ranks
+    ({"G_intra_r": 2, "G_intra_d": 2}, [[0, 2], [1, 3]], [[0, 1, 2, 3]]),  # depth ranks see different samples
+    ({"G_intra_r": 2, "G_data": 2}, [[0, 2], [1, 3]], [[0, 1], [2, 3]]),
+    ({"G_intra_d": 2, "G_data": 2}, [[0, 1, 2, 3]], [[0, 1], [2, 3]]),
+]
+
+
+def _grid_groups():
     import torch.distributed as dist
 
     from atorch import intra_layer
 
-    topology = intra_layer.init(**sizes)
-    return {
-        "dp_groups": parallel_state.get_data_parallel_group(as_list=True),
-        "tp_groups": parallel_state.get_tensor_model_parallel_group(as_list=True),
-        "dp_ranks": dist.get_process_group_ranks(topology.data_parallel_group),
-        "dp": (parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()),
-    }
+    out = []
+    for sizes, _, _ in GRIDS:  # one spawn for every grid: spawning costs more than what runs
+        topology = intra_layer.init(**sizes)
+        out.append({
+            "dp_groups": parallel_state.get_data_parallel_group(as_list=True),
+            "tp_groups": parallel_state.get_tensor_model_parallel_group(as_list=True),
+            "dp_ranks": dist.get_process_group_ranks(topology.data_parallel_group),
+            "dp": (parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()),
+        })
+    parallel_state.destroy_model_parallel()
+    return out
 
 
-@pytest.mark.parametrize("sizes, dp_groups, tp_groups", [
-    ({"G_intra_r": 2, "G_intra_d": 2}, [[0, 2], [1, 3]], [[0, 1, 2, 3]]),  # depth ranks see different samples
-    ({"G_intra_r": 2, "G_data": 2}, [[0, 2], [1, 3]], [[0, 1], [2, 3]]),
-    ({"G_intra_d": 2, "G_data": 2}, [[0, 1, 2, 3]], [[0, 1], [2, 3]]),
-])
-def test_data_parallel_groups_include_depth_and_match_the_real_groups(sizes, dp_groups, tp_groups):
-    results = run_distributed(_grid_groups, 4, sizes)
-    assert results[0]["dp_groups"] == dp_groups
-    assert results[0]["tp_groups"] == tp_groups
-    for rank, result in enumerate(results):
-        # The listed group of each rank is the group its collectives really use, in its order.
-        mine = next(group for group in dp_groups if rank in group)
-        assert sorted(result["dp_ranks"]) == sorted(mine)
-        assert result["dp"] == (len(mine), mine.index(rank))
+def test_data_parallel_groups_include_depth_and_match_the_real_groups():
+    runs = run_distributed(_grid_groups, 4)
+    for index, (sizes, dp_groups, tp_groups) in enumerate(GRIDS):
+        results = [run[index] for run in runs]
+        assert results[0]["dp_groups"] == dp_groups, sizes
+        assert results[0]["tp_groups"] == tp_groups, sizes
+        for rank, result in enumerate(results):
+            # The listed group of each rank is the group its collectives really use, in its order.
+            mine = next(group for group in dp_groups if rank in group)
+            assert sorted(result["dp_ranks"]) == sorted(mine), sizes
+            assert result["dp"] == (len(mine), mine.index(rank)), sizes
