@@ -13,6 +13,12 @@ rank alone (the others wait; what the theory assumes). The ratio measured / idea
 plus communication; theory for P ranks: 1F1B (M + P - 1) / M, interleaved with v stages per rank
 (M + (P - 1) / v) / M. Writes JSON and a markdown table to benchmarks/results/ and a plot to
 docs/images/.
+
+    python benchmarks/pipeline_bubble.py --traced --microbatches 4,8
+
+The traced path against the layout path: the same blocks, once as an ``nn.Sequential`` (split by
+its layout) and once in a plain module whose forward loops over an ``nn.ModuleList`` of them
+(split by tracing), both 1F1B, timed side by side; writes benchmarks/results/pipeline_traced.*.
 """
 
 import argparse
@@ -55,6 +61,62 @@ def pipelined_step(schedule: str, virtual: int, width: int, layers: int, micro: 
         optim.zero_grad()
 
     return step, model
+
+
+class LoopChain(nn.Module):
+    """The chain's blocks in a plain module whose forward loops over them: no layout knows it."""
+
+    def __init__(self, sequential: nn.Sequential):
+        super().__init__()
+        self.blocks = nn.ModuleList(sequential)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def split_step(traced: bool, width: int, layers: int, micro: int, m: int):
+    """One 1F1B training step of the chain, split by its layout or (``traced``) by tracing."""
+    from atorch.pipeline import PipelineModel
+
+    module = LoopChain(chain(width, layers)) if traced else chain(width, layers)
+    model = PipelineModel(module, num_microbatches=m, auto_partition=True, loss_fn=_loss)
+    optim = torch.optim.SGD(model.local_parameters(), lr=1e-4)
+    x = torch.randn(micro * m, width)
+    name = "x" if traced else "input"
+
+    def step():
+        model.run_train(**{name: x})
+        optim.step()
+        optim.zero_grad()
+
+    return step
+
+
+def run_traced(microbatches: list[int], width: int, layers: int, micro: int, repeats: int, steps: int) -> list[dict]:
+    """On every rank: per M, the layout path and the traced path of the same chain, side by side."""
+    rows = []
+    for m in microbatches:
+        variants = {"layout": split_step(False, width, layers, micro, m), "traced": split_step(True, width, layers,
+                                                                                             micro, m)}
+        samples = harness.interleave(variants, repeats, steps)
+        rows.append({"microbatches": m, **{name: harness.summary(samples[name]) for name in variants},
+                     "traced_over_layout": harness.ratio(samples, "traced", "layout")})
+    return rows
+
+
+def report_traced(rows: list[dict], args) -> str:
+    body = [[r["microbatches"], harness.fmt_ms(r["layout"]["median"]), harness.fmt_ms(r["traced"]["median"]),
+             f"{r['traced_over_layout']:.3f}"] for r in rows]
+    load = getattr(args, "load", None)
+    note = (f"Load average {load['before']:.1f} before, {load['after']:.1f} after, on {load['cpus']} cores.\n\n"
+            if load else "")
+    markdown = note + harness.table(["microbatches", "layout ms (1F1B)", "traced ms (1F1B)", "traced / layout"], body)
+    harness.write(args.out, {"nproc": args.nproc, "width": args.width, "layers": args.layers,
+                             "microbatch_size": args.micro, "repeats": args.repeats, "steps_per_block": args.steps,
+                             "load_average": load, "rows": rows}, markdown)
+    return markdown
 
 
 def compute_step(model, width: int, micro: int, m: int):
@@ -171,6 +233,7 @@ def main(argv=None) -> str:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2, help="steps per timed block")
     parser.add_argument("--tiny", action="store_true", help="toy sizes that only show the benchmark runs")
+    parser.add_argument("--traced", action="store_true", help="the traced path against the layout path instead")
     parser.add_argument("--out", default=str(harness.RESULTS / "pipeline_bubble"))
     parser.add_argument("--plot", default=str(harness.IMAGES / "pipeline_bubble.png"))
     args = parser.parse_args(argv)
@@ -181,6 +244,16 @@ def main(argv=None) -> str:
         parser.error(f"--layers must be at least {VIRTUAL * args.nproc} to give every interleaved stage a block")
     from tests.helpers.dist import run_distributed
 
+    if args.traced:
+        if args.out == str(harness.RESULTS / "pipeline_bubble"):
+            args.out = str(harness.RESULTS / "pipeline_traced")
+        job = functools.partial(run_traced, microbatches, args.width, args.layers, args.micro, args.repeats, args.steps)
+        load_before = os.getloadavg()[0]
+        rows = run_distributed(job, args.nproc, timeout_s=3600)[0]
+        args.load = {"before": load_before, "after": os.getloadavg()[0], "cpus": os.cpu_count()}
+        markdown = report_traced(rows, args)
+        print(markdown)
+        return markdown
     job = functools.partial(run, microbatches, args.width, args.layers, args.micro, args.repeats, args.steps)
     load_before = os.getloadavg()[0]
     rows = run_distributed(job, args.nproc, timeout_s=3600)[0]

@@ -24,6 +24,11 @@ def pipeline_module(ctx: ModelContext, partition_method: str):
         raise NotSupportedError("ds_3d_parallel lays ranks out in their natural order; drop parallel_mode's rank_order")
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
     layout = layout_for(ctx.model)
+    if layout.traced:
+        raise NotSupportedError(
+            f"ds_3d_parallel runs DeepSpeed's pipeline engine over a chain of modules, and no layout knows "
+            f"{type(ctx.model).__name__} (atorch splits it by tracing, which DeepSpeed cannot run): use "
+            "pipeline_parallel, or register a layout with atorch.pipeline.register_layout")
     last = len(layout.units) - 1
     layers = [layout.stage_module([name], i == 0, i == last) for i, name in enumerate(layout.units)]
     # DeepSpeed lists axes outermost first; atorch's dims are innermost first.

@@ -12,8 +12,8 @@ stage's output back into what the whole model's ``forward`` returns. Two layouts
   the head; each stage recomputes the causal mask and rotary embeddings from the hidden states'
   shape, and the last stage computes the loss with the model's own ``loss_function``.
 
-Other models raise an error that says which structures are known; :func:`register_layout`
-adds one for a model family of your own.
+Other models are split by tracing their forward (:mod:`atorch.pipeline.traced`, see
+:func:`layout_for`); :func:`register_layout` adds a fast path for a model family of your own.
 """
 
 from collections.abc import Callable
@@ -27,6 +27,9 @@ from atorch.errors import NotSupportedError
 
 class Layout:
     """The chain of units of one model; subclasses fill in how a range of units runs."""
+
+    # True for the general path: stages cut from a trace of the forward (atorch.pipeline.traced).
+    traced = False
 
     def __init__(self, model: nn.Module, units: list[str], layer_units: list[str], inputs: list[str]):
         self.model = model
@@ -185,13 +188,14 @@ register_layout(lambda m: isinstance(m, nn.Sequential), SequentialLayout)
 register_layout(DecoderLMLayout.matches, lambda m, names: DecoderLMLayout(m))
 
 
-def layout_for(model: nn.Module, input_names: list[str] | None = None) -> Layout:
-    """The layout that splits ``model``; an unknown structure raises :class:`NotSupportedError`."""
+def layout_for(model: nn.Module, input_names: list[str] | None = None, layer_cls: type | None = None,
+               leaf_cls: list | tuple | None = None) -> Layout:
+    """How PipelineModel splits ``model``: a registered layout where one matches (the fast path),
+    else by tracing the forward (:class:`atorch.pipeline.traced.TracedLayout`); a model that
+    cannot be split at its submodules raises :class:`NotSupportedError`."""
     for matches, build in _LAYOUTS:
         if matches(model):
             return build(model, input_names)
-    raise NotSupportedError(
-        f"PipelineModel does not know how {type(model).__name__}'s forward flows: it splits nn.Sequential models "
-        "and Hugging Face decoder LMs built like Llama (model.embed_tokens/layers/norm, lm_head); wrap your "
-        "model's pieces in an nn.Sequential or register a layout with atorch.pipeline.register_layout"
-    )
+    from atorch.pipeline.traced import TracedLayout
+
+    return TracedLayout(model, input_names, layer_cls, tuple(leaf_cls or ()))

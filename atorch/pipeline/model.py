@@ -1,8 +1,10 @@
 """PipelineModel: a model split into stages over the ``pipeline`` ranks, run by a torch schedule.
 
-The model is split by module names (see :mod:`atorch.pipeline.layouts`), each rank keeps only
-its own stages' parameters, and a ``torch.distributed.pipelining`` schedule moves microbatches
-through the stages. The stage holding the end of the model computes the loss.
+The model is split at module boundaries: by a layout that knows the model family (the fast path,
+:mod:`atorch.pipeline.layouts`), or, for any other model, by tracing its forward
+(:mod:`atorch.pipeline.traced`). Each rank keeps only its own stages' parameters, and a
+``torch.distributed.pipelining`` schedule moves microbatches through the stages. The stage
+holding the end of the model computes the loss.
 """
 
 from collections.abc import Callable
@@ -18,7 +20,7 @@ from atorch.errors import MethodConfigError, NotSupportedError, WorldSizeError
 from atorch.pipeline.layouts import layout_for
 from atorch.pipeline.loss import pick_loss, reduce_losses, split_batch
 from atorch.pipeline.partition import balanced_ranges, ranges_from_cuts
-from atorch.pipeline.schedules import build_schedule, check_schedule, local_stage_indices
+from atorch.pipeline.schedules import build_schedule, check_schedule, deallocate_after_send, local_stage_indices
 
 
 class PipelineModel(nn.Module):
@@ -30,6 +32,13 @@ class PipelineModel(nn.Module):
     item), or ``loss_fn(microbatch_kwargs, output)`` computes it. Stage boundaries come from
     ``pipeline_cuts`` (the names of the last module of each stage but the last) or
     ``auto_partition=True`` (balanced by parameter count over the transformer layers).
+    ``leaf_module_cls`` (classes) are never split inside; ``input_names`` are the forward
+    arguments the first stage takes (a traced model's other arguments go to the loss).
+
+    Models no layout knows are traced (torch.export, on the meta device, at the first call);
+    :func:`atorch.pipeline.pipeline_eligibility` says beforehand whether a model splits. Weights
+    shared by two stages (a tied embedding and head) are kept equal: their gradients are summed
+    over the stages that hold them.
 
     ``topology`` (an :class:`atorch.distributed.topology.Topology`) gives the pipeline, data and
     tensor groups; without it the whole world is one pipeline. ``stage_transform(stage_module)``
@@ -55,7 +64,8 @@ class PipelineModel(nn.Module):
                  *, loss_fn: Callable | None = None, topology: Topology | None = None,
                  stage_transform: Callable[[nn.Module], None] | None = None, device: torch.device | None = None):
         super().__init__()
-        _refuse_unsupported(use_zero1_optimizer, deallocate_pipeline_outputs, leaf_module_cls)
+        self.use_zero1_optimizer = use_zero1_optimizer
+        self.deallocate_pipeline_outputs = deallocate_pipeline_outputs
         if not dist.is_initialized():
             raise WorldSizeError("PipelineModel needs a process group; launch with torchrun and call "
                                  "atorch.init_distributed() first")
@@ -69,7 +79,11 @@ class PipelineModel(nn.Module):
         self.device = device or torch.device("cpu")
         pp_size, pp_rank = self.topology.size("pipeline"), self.topology.coordinate("pipeline")
         self.num_stages = pp_size * virtual_pipeline_size
-        self.layout = layout_for(module, input_names)
+        self.layout = layout_for(module, input_names, transformer_layer_cls, leaf_module_cls)
+        self.traced = getattr(self.layout, "traced", False)
+        if self.traced and stage_transform is not None:
+            raise NotSupportedError(f"{type(module).__name__} is split by tracing, and a stage transform (tensor "
+                                    "parallelism) needs a layout; register one with atorch.pipeline.register_layout")
         layers = self.layout.layer_units
         if transformer_layer_cls is not None:
             layers = [n for n in self.layout.units if isinstance(module.get_submodule(n), transformer_layer_cls)]
@@ -77,13 +91,22 @@ class PipelineModel(nn.Module):
                 raise MethodConfigError(f"transformer_layer_cls {transformer_layer_cls.__name__} matches none of the "
                                         f"model's units {self.layout.units}")
         self.stage_units = self._partition(module, pipeline_cuts, auto_partition, layers)
-        _refuse_tied_weights(module, self.stage_units)
+        self.ties = _tied_parameters(module, self.stage_units)
         self.local_stage_ids = local_stage_indices(self.schedule_name, pp_rank, pp_size, virtual_pipeline_size)
         self.local_units = [n for i in self.local_stage_ids for n in self.stage_units[i]]
         self._materialize(module, param_init_fn)
         # Kept out of nn.Module's children: the user's module holds every unit, local or not.
         self._module = [module]
         self.stage_modules = nn.ModuleList()
+        self.has_first = 0 in self.local_stage_ids
+        self.has_last = self.num_stages - 1 in self.local_stage_ids
+        self._sync_tied(weights=True)
+        self._microbatches: list[dict] = []
+        self._traced_runs: dict = {}  # input shapes -> (stages, schedule), for a traced model
+        if self.traced:  # stages are built from the trace (on these parameters), at the first call
+            _mark_shards(self.local_parameters(), self.topology)
+            self.stages, self._schedule = [], None
+            return
         stages = []
         for index in self.local_stage_ids:
             stage_module = self.layout.stage_module(self.stage_units[index], index == 0, index == self.num_stages - 1)
@@ -94,11 +117,30 @@ class PipelineModel(nn.Module):
             stages.append(PipelineStage(stage_module, index, self.num_stages, self.device,
                                         group=self.topology.group("pipeline")))
         self.stages = stages
+        # After stage_transform: its tensor-parallel slices are new parameters.
         _mark_shards(self.local_parameters(), self.topology)
-        self.has_first = 0 in self.local_stage_ids
-        self.has_last = self.num_stages - 1 in self.local_stage_ids
+        if self.deallocate_pipeline_outputs:
+            for stage in stages:
+                deallocate_after_send(stage)
         self._schedule = build_schedule(self.schedule_name, stages, num_microbatches, self._microbatch_loss)
-        self._microbatches: list[dict] = []
+
+    def _traced_schedule(self, microbatch: dict):
+        """The stages and schedule for this microbatch's input shapes (traced once per shape)."""
+        inputs = tuple(microbatch[name] for name in self.layout.inputs)
+        key = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in inputs)
+        if key not in self._traced_runs:
+            pipe = self.layout.trace(inputs, self.stage_units)
+            stages = []
+            for index in self.local_stage_ids:
+                stage_module = self.layout.bind(pipe, index, self.stage_units, self.device)
+                self.stage_modules.append(stage_module)
+                stages.append(pipe.build_stage(index, self.device, group=self.topology.group("pipeline")))
+            if self.deallocate_pipeline_outputs:
+                for stage in stages:
+                    deallocate_after_send(stage)
+            schedule = build_schedule(self.schedule_name, stages, self.num_microbatches, self._microbatch_loss)
+            self._traced_runs[key] = (stages, schedule)
+        self.stages, self._schedule = self._traced_runs[key]
 
     def _partition(self, module, cuts, auto, layers) -> list[list[str]]:
         units = self.layout.units
@@ -113,7 +155,7 @@ class PipelineModel(nn.Module):
                                 "auto_partition=True")
 
     def _materialize(self, module: nn.Module, param_init_fn) -> None:
-        local = set(self.local_units)
+        local = set(self.local_units) | set(self.layout.shared_units() if self.traced else ())
         on_meta = any(p.is_meta for p in module.parameters())
         for name in self.layout.units:
             unit = module.get_submodule(name)
@@ -141,6 +183,26 @@ class PipelineModel(nn.Module):
         """This rank's parameters, for the optimizer."""
         for _, param in self.local_named_parameters():
             yield param
+
+    def make_optimizer(self, optimizer_class: type = torch.optim.AdamW, **defaults) -> torch.optim.Optimizer:
+        """``optimizer_class(local_parameters(), **defaults)``; with ``use_zero1_optimizer=True`` a
+        ``ZeroRedundancyOptimizer`` instead, which shards the optimizer state over the data-parallel
+        ranks of this rank's stages (each keeps about 1/data of it, steps its share and broadcasts
+        the updated parameters). The gradients it reads are already averaged over those ranks.
+
+        Example::
+
+            model = PipelineModel(net, num_microbatches=4, auto_partition=True, use_zero1_optimizer=True,
+                                  topology=Topology.build([("pipeline", 2), ("data", 2)]))
+            optim = model.make_optimizer(torch.optim.AdamW, lr=1e-3)
+        """
+        params = list(self.local_parameters())
+        if not self.use_zero1_optimizer or self.topology.data_parallel_size == 1:
+            return optimizer_class(params, **defaults)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class,
+                                       process_group=self.topology.data_parallel_group, **defaults)
 
     def local_named_modules(self):
         """``(name, module)`` of every module in this rank's stages, named as in the user's module."""
@@ -177,11 +239,13 @@ class PipelineModel(nn.Module):
 
     def _run(self, kwargs, train: bool):
         self.layout.check_kwargs(list(kwargs))
-        self._microbatches = split_batch(kwargs, self.num_microbatches)
         inputs = self.layout.inputs or list(kwargs)[:1]
         missing = [name for name in inputs if name not in kwargs]
         if missing:
             raise MethodConfigError(f"PipelineModel's first stage takes {inputs}; {missing} missing from the call")
+        self._microbatches = split_batch(kwargs, self.num_microbatches)
+        if self.traced:
+            self._traced_schedule(self._microbatches[0])
         args = tuple(kwargs[name].to(self.device) for name in inputs) if self.has_first else ()
         target = torch.arange(self.num_microbatches) if self.has_last else None
         losses: list = []
@@ -191,6 +255,7 @@ class PipelineModel(nn.Module):
         self._microbatches = []
         if train:
             self._average_data_parallel_grads()
+            self._sync_tied(weights=False)
         last_rank = self.stages[0].stage_index_to_group_rank[self.num_stages - 1]
         return reduce_losses(losses if self.has_last else None, self.topology, last_rank, self.num_microbatches,
                              self.return_mb_loss, self.broadcast_and_average_loss)
@@ -204,6 +269,31 @@ class PipelineModel(nn.Module):
             return self.loss_fn(batch, model_output)
         return pick_loss(model_output, self.output_loss_value_spec)
 
+    def _sync_tied(self, weights: bool) -> None:
+        """A tied weight lives on every rank whose stages use it (one copy per rank). Weights: the
+        copy of its first stage is given to the others; gradients: summed over the copies, as the
+        serial model sums the gradients of its uses."""
+        group = self.topology.group("pipeline")
+        for users in self.ties:
+            local = next((name for stage, name in users if stage in self.local_stage_ids), None)
+            param = self._module[0].get_parameter(local) if local is not None else None
+            ref = self._module[0].get_parameter(users[0][1])
+            zeros = torch.zeros(ref.shape, dtype=ref.dtype, device=self.device)
+            if weights:
+                mine = param is not None and min(stage for stage, _ in users) in self.local_stage_ids
+                value = param.detach().clone() if mine else zeros
+            else:
+                value = param.grad if param is not None and param.grad is not None else zeros
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(value, group=group)
+            if param is None:
+                continue
+            if weights:
+                with torch.no_grad():
+                    param.copy_(value)
+            else:
+                param.grad = value
+
     def _average_data_parallel_grads(self) -> None:
         group, size = self.topology.data_parallel_group, self.topology.data_parallel_size
         if size == 1:
@@ -214,28 +304,16 @@ class PipelineModel(nn.Module):
                 param.grad /= size
 
 
-def _refuse_unsupported(use_zero1_optimizer, deallocate_pipeline_outputs, leaf_module_cls) -> None:
-    if use_zero1_optimizer:
-        raise NotSupportedError("use_zero1_optimizer is not implemented by atorch's PipelineModel; build a "
-                                "ZeroRedundancyOptimizer over model.local_parameters() yourself, or leave it False")
-    if deallocate_pipeline_outputs:
-        raise NotSupportedError("deallocate_pipeline_outputs is not implemented (torch's schedules keep stage "
-                                "outputs until their backward); leave it False")
-    if leaf_module_cls:
-        raise NotSupportedError("leaf_module_cls is for tracing, and atorch's PipelineModel splits by module names "
-                                "without tracing; leave it None")
 
 
-def _refuse_tied_weights(module: nn.Module, stage_units: list[list[str]]) -> None:
-    owner: dict[int, int] = {}
+def _tied_parameters(module: nn.Module, stage_units: list[list[str]]) -> list[list[tuple[int, str]]]:
+    """Parameters shared by units of different stages: for each, its ``(stage, name)`` users."""
+    users: dict[int, list[tuple[int, str]]] = {}
     for stage, names in enumerate(stage_units):
         for name in names:
-            for pname, param in module.get_submodule(name).named_parameters():
-                if owner.setdefault(id(param), stage) != stage:
-                    raise NotSupportedError(
-                        f"parameter {name}.{pname} is shared by stages {owner[id(param)]} and {stage} (tied weights); "
-                        "PipelineModel does not synchronize tied weights across stages: untie them (e.g. "
-                        "tie_word_embeddings=False) or put both users in one stage with pipeline_cuts")
+            for pname, param in module.get_submodule(name).named_parameters(remove_duplicate=False):
+                users.setdefault(id(param), []).append((stage, f"{name}.{pname}"))
+    return [found for found in users.values() if len({stage for stage, _ in found}) > 1]
 
 
 def _write_back(module: nn.Module, names: list[str], stage_module: nn.Module) -> None:

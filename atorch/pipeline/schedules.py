@@ -12,6 +12,7 @@ each stage lives.
   stages ``r`` and ``2 * pipeline_size - 1 - r``).
 """
 
+import torch
 from torch.distributed import pipelining
 
 from atorch.errors import MethodConfigError
@@ -66,3 +67,28 @@ def build_schedule(schedule: str, stages: list, num_microbatches: int, loss_fn):
     except ValueError as error:  # torch's own checks (e.g. 1F1B needs at least as many microbatches as stages)
         raise MethodConfigError(f"schedule {schedule!r} with {num_microbatches} microbatches: {error}; change "
                                 "num_microbatches or the schedule") from None
+
+
+def deallocate_after_send(stage) -> None:
+    """Free a stage's forward output once its send to the next stage is posted
+    (``deallocate_pipeline_outputs=True``, Megatron's ``deallocate_output_tensor``).
+
+    torch's schedules keep each microbatch's output until its backward, only for its autograd
+    node: the backward reads the gradient received from the next stage, never the output's
+    values. The output's storage is swapped for one element expanded to the same shape (the
+    shape autograd checks); the send holds its own alias of the old storage, which is freed once
+    the send completes. Only a stage with one output is freed, and that output must not be used
+    again inside the stage (its last op's result, as in a chain of blocks).
+    """
+    original = stage.get_fwd_send_ops
+
+    def get_fwd_send_ops(fwd_chunk_id: int):
+        ops = original(fwd_chunk_id)
+        outputs, _ = stage.fwd_cache[fwd_chunk_id]
+        if ops and len(outputs) == 1:
+            out = outputs[0]
+            if isinstance(out, torch.Tensor) and out.grad_fn is not None and out.numel() > 1:
+                out.data = torch.empty((), dtype=out.dtype, device=out.device).expand(out.shape)
+        return ops
+
+    stage.get_fwd_send_ops = get_fwd_send_ops

@@ -45,12 +45,12 @@ def serial_losses(layers: int = 4) -> list[float]:
     return losses
 
 
-def pipeline_losses(model, steps: int = STEPS) -> list[float]:
+def pipeline_losses(model, steps: int = STEPS, input_name: str = "input") -> list[float]:
     """Train a PipelineModel (built with broadcast_and_average_loss=True) with SGD; losses on every rank."""
     optim = torch.optim.SGD(model.local_parameters(), lr=LR)
     losses = []
     for x, y in batches(steps):
-        losses.append(model.run_train(input=x, target=y).item())
+        losses.append(model.run_train(**{input_name: x}, target=y).item())
         optim.step()
         optim.zero_grad()
     return losses
@@ -143,3 +143,120 @@ def four_rank_runs():
         optim.zero_grad()
     out["pp2_dp2"] = losses
     return out
+
+
+class LoopNet(nn.Module):
+    """The way most people write a model: a plain module whose forward loops over a ModuleList of
+    blocks (no layout knows it: PipelineModel splits it by tracing)."""
+
+    def __init__(self, layers: int = 4, stop_on_data: bool = False):
+        super().__init__()
+        self.stop_on_data = stop_on_data
+        self.embed = nn.Linear(IN, HIDDEN)
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.head = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            if self.stop_on_data and h.abs().max() > 100:  # data-dependent: cannot be traced
+                break
+            h = block(h)
+        return self.head(h)
+
+
+def loop_model(layers: int = 4, seed: int = 0, **kwargs) -> LoopNet:
+    torch.manual_seed(seed)
+    return LoopNet(layers, **kwargs)
+
+
+def serial_losses_of(model: nn.Module, steps: int = STEPS, lr: float = LR, optimizer=torch.optim.SGD) -> list[float]:
+    """SGD on ``model`` over :func:`batches` with :func:`chain_loss`: the reference of a pipelined run."""
+    optim = optimizer(model.parameters(), lr=lr)
+    losses = []
+    for x, y in batches(steps):
+        loss = chain_loss({"target": y}, model(x))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def token_batches(steps: int = STEPS, masked: bool = False):
+    """``steps`` batches of 8 sequences of the tiny Hugging Face vocabulary: causal LM labels, or
+    masked-LM labels with 4 predicted positions per sequence (the same count in every sequence, so
+    a mean over microbatch means is the whole batch's mean, as in the serial model)."""
+    from tests.helpers.hf import SEQ, VOCAB
+
+    gen = torch.Generator().manual_seed(2)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        labels = ids.clone()
+        if masked:
+            keep = torch.rand(BATCH, SEQ, generator=gen).argsort(dim=1)[:, :4]
+            labels = torch.full_like(ids, -100).scatter(1, keep, ids.gather(1, keep))
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def hf_serial_losses(model, steps: int = STEPS, masked: bool = False, lr: float = LR) -> list[float]:
+    optim = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for batch in token_batches(steps, masked):
+        loss = model(**batch).loss
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def hf_pipeline_losses(model, steps: int = STEPS, masked: bool = False) -> list[float]:
+    optim = torch.optim.SGD(model.local_parameters(), lr=LR)
+    losses = []
+    for batch in token_batches(steps, masked):
+        losses.append(model.run_train(**batch).item())
+        optim.step()
+        optim.zero_grad()
+    return losses
+
+
+class HiddenLayout(nn.Module):
+    """A Hugging Face LM behind a wrapper no layout matches, so PipelineModel traces it."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+        self.config = lm.config
+
+    @property
+    def loss_function(self):
+        return self.lm.loss_function
+
+    def forward(self, input_ids):
+        return self.lm(input_ids=input_ids)
+
+
+def train_loop_model(load_strategy, steps: int = STEPS) -> dict:
+    """The ModuleList model through auto_accelerate with the pipeline training loop (its forward
+    takes ``x``); every rank's losses."""
+    import atorch
+    from atorch.auto import auto_accelerate
+
+    class Data(ChainData):
+        def __getitem__(self, i):
+            return {"x": self.items[i][0], "target": self.items[i][1]}
+
+    _, result, _ = auto_accelerate(loop_model(), torch.optim.SGD, Data(), chain_loss, optim_args={"lr": LR},
+                                   dataloader_args={"batch_size": BATCH}, model_input_format="unpack_dict",
+                                   load_strategy=load_strategy)
+    losses, data = [], iter(result.dataloader)
+    for _ in range(steps):
+        batch = result.prepare_input(next(data), atorch.device())
+        loss = result.loss_func(batch, result.model(**batch))
+        result.optim.step()
+        result.optim.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "args": dict(result.args)}
