@@ -41,6 +41,10 @@ def plan_strategy(
             strategy = strategy.without(name)
             notes.append(f"{name}: dropped because it is in `excluded`")
 
+    # Conflicts that hold at any world size are refused before anything is dropped for this job
+    # (zero2 + fsdp on one process would otherwise lose both quietly and fail only at scale).
+    check_relations(in_applied_order(strategy))
+
     for name, config in strategy.items():
         spec = get_method(name)
         reason = None
@@ -103,17 +107,27 @@ def in_applied_order(strategy: Strategy) -> Strategy:
 def check_relations(strategy: Strategy) -> None:
     """Refuse a strategy with two conflicting methods, or a method without one it requires;
     the error names both methods, the reason, and the fix."""
+    problems = relation_problems(strategy)
+    if problems:
+        raise StrategyConflictError(problems[0])
+
+
+def relation_problems(strategy: Strategy) -> list[str]:
+    """Every conflict and missing requirement in ``strategy`` (each pair once), as messages."""
+    problems: list[str] = []
+    seen: set[frozenset] = set()
     for name, config in strategy.items():
         spec = get_method(name)
         for other, why in spec.related("conflicts", config).items():
-            if other in strategy:
+            if other in strategy and frozenset((name, other)) not in seen:
+                seen.add(frozenset((name, other)))
                 because = f": {why}" if why else ""
-                raise StrategyConflictError(
-                    f"methods {name!r} and {other!r} cannot be used together{because}; remove one of them")
+                problems.append(f"methods {name!r} and {other!r} cannot be used together{because}; remove one of them")
         for other, why in spec.related("requires", config).items():
             if other not in strategy:
                 because = f" ({why})" if why else ""
-                raise StrategyConflictError(f"method {name!r} needs {other!r} in the same strategy{because}; add it")
+                problems.append(f"method {name!r} needs {other!r} in the same strategy{because}; add it")
+    return problems
 
 
 def resolve_strategy(model, strategy: Strategy) -> Strategy:

@@ -6,7 +6,7 @@ in the spec; the engine sorts and checks them once.
 """
 
 import difflib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -44,6 +44,17 @@ Hook = Callable[[Any, MethodConfig], None]
 # docs/methods/compatibility.md), or a function of this method's config returning either (when
 # the relation depends on the backend the config picks, e.g. zero2 absorbs amp_native only on FSDP2).
 Relation = tuple[str, ...] | Mapping[str, str] | Callable[[MethodConfig], "tuple[str, ...] | Mapping[str, str]"]
+
+
+@dataclass(frozen=True)
+class LayoutJob:
+    """What a layout method's eligibility check reads about the job, besides the model."""
+
+    # The layout's parallel dims and their sizes (the data dim included).
+    dims: Mapping[str, int]
+    # Samples each data-parallel rank gets per step; None when unknown (planning without data).
+    batch_per_data_rank: int | None = None
+    model_input_format: str | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,26 @@ class MethodSpec:
     # The method trades speed for memory (checkpointing, sharding): the search only tries it when
     # the same candidate without it is estimated not to fit the memory budget.
     memory_only: bool = False
+    # The method's term in the cost model's activation probe (atorch/auto/search/cost.py) where
+    # the probe cannot show the method's effect (meta tensors, when planning with no hardware):
+    # ``(config, saved) -> saved``, ``saved`` mapping each dtype to the bytes one forward saves.
+    activation_term: Callable[[MethodConfig, dict], dict] | None = None
+    # The method's memory and time terms in the cost model: ``(config, cost)`` updates the
+    # candidate's ``atorch.auto.search.cost.StepCost`` (the terms run in applied order, so a
+    # sharding method divides what the layout methods before it left on the rank).
+    cost_term: Callable[[MethodConfig, Any], None] | None = None
+    # False: the cost model's activation probe does not run this method's hooks on its copy of
+    # the model (they need the process mesh or a GPU); its ``cost_term`` says what it changes.
+    probed: bool = True
+    # A layout method (it splits the model over parallel dims): ``(world_size) -> [(dims,
+    # config), ...]``, the dims it takes (e.g. ``{"tensor": 2}``; data gets the remaining ranks)
+    # with the config the search tries on them. Keep it short: the search combines each layout
+    # with every combination of the other methods.
+    layouts: Callable[[int], Iterable[tuple[dict[str, int], dict]]] | None = None
+    # ``ineligible(model, config, job)``: why this model cannot run the method on the layout of
+    # ``job`` (heads the tensor size does not divide, fewer blocks than stages...), or None.
+    # The search reports each ineligible layout with this reason and never builds it.
+    ineligible: Callable[[Any, MethodConfig, LayoutJob], str | None] | None = None
 
 
     def related(self, relation: str, config: MethodConfig | None = None) -> dict[str, str]:

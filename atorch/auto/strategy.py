@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from atorch.auto.config_types import MethodConfig
 from atorch.auto.registry import get_method
 from atorch.errors import MethodConfigError, StrategyFileError
+from atorch.utils.files import write_text_atomic
 
 FORMAT_NAME = "atorch-strategy"
 FORMAT_VERSION = 1
@@ -73,8 +74,9 @@ class Strategy:
         Strategy.from_json(s.to_json()) == s   # True
     """
 
-    def __init__(self, methods: Iterable[Any] = ()):
+    def __init__(self, methods: Iterable[Any] = (), description: str | None = None):
         self._methods: list[tuple[str, MethodConfig]] = []
+        self.description = description  # what the strategy is for (ready files: which models); not compared
         for item in methods:
             name, raw = _split_item(item)
             if name in self.opt_names:
@@ -118,28 +120,30 @@ class Strategy:
             return "Strategy: no methods (plain training)"
         width = max(len(name) for name in self.opt_names)
         lines = [f"Strategy ({len(self)} method{'s' if len(self) > 1 else ''}):"]
+        if self.description:
+            lines.append(f"  {self.description}")
         for index, (name, config) in enumerate(self._methods, 1):
             lines.append(f"  {index}. {name.ljust(width)}  {config.summary()}")
         return "\n".join(lines)
 
     # ----- changing (each returns a new Strategy)
     def replace(self, name: str, config: Any) -> "Strategy":
-        return Strategy([(n, make_config(n, config) if n == name else c) for n, c in self._methods])
+        return Strategy([(n, make_config(n, config) if n == name else c) for n, c in self._methods], self.description)
 
     def without(self, name: str) -> "Strategy":
-        return Strategy([(n, c) for n, c in self._methods if n != name])
+        return Strategy([(n, c) for n, c in self._methods if n != name], self.description)
 
     def with_method(self, name: str, config: Any = None, first: bool = False) -> "Strategy":
         entry = [(name, config)]
-        return Strategy(entry + self.items() if first else self.items() + entry)
+        return Strategy(entry + self.items() if first else self.items() + entry, self.description)
 
     # ----- JSON
     def to_dict(self) -> dict:
-        return {
-            "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
-            "methods": [{"name": n, "config": c.model_dump(mode="json")} for n, c in self._methods],
-        }
+        data = {"format": FORMAT_NAME, "version": FORMAT_VERSION}
+        if self.description:
+            data["description"] = self.description
+        data["methods"] = [{"name": n, "config": c.model_dump(mode="json")} for n, c in self._methods]
+        return data
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -147,20 +151,8 @@ class Strategy:
     @classmethod
     def from_data(cls, data: Any, source: str = "strategy") -> "Strategy":
         """From parsed JSON/YAML: the ``to_dict`` form, or a bare list of methods."""
-        if isinstance(data, dict):
-            unknown = set(data) - {"format", "version", "methods"}
-            if unknown:
-                raise StrategyFileError(f"{source}: unknown top-level keys {sorted(unknown)}; expected 'methods'")
-            if data.get("format", FORMAT_NAME) != FORMAT_NAME:
-                raise StrategyFileError(f"{source}: format is {data['format']!r}, expected {FORMAT_NAME!r}")
-            if data.get("version", FORMAT_VERSION) > FORMAT_VERSION:
-                raise StrategyFileError(
-                    f"{source}: written by a newer atorch (format version {data['version']}); upgrade atorch"
-                )
-            data = data.get("methods", [])
-        if not isinstance(data, list):
-            raise StrategyFileError(f"{source}: expected a list of methods or {{'methods': [...]}}, got {type(data).__name__}")
-        return cls(data)
+        data, description = method_entries(data, source)
+        return cls(data, description)
 
     @classmethod
     def from_json(cls, text: str | bytes, source: str = "strategy text") -> "Strategy":
@@ -173,26 +165,32 @@ class Strategy:
 
     # ----- files
     def save(self, path: str | os.PathLike) -> None:
-        """Write the strategy as JSON (atomically: a crash never leaves half a file)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json() + "\n")
-        os.replace(tmp, path)
+        """Write the strategy as JSON, atomically: a crash never leaves half a file, and every rank
+        of a job may save to the same path at once (each writes its own temporary file)."""
+        write_text_atomic(path, self.to_json() + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Strategy":
         """Read a JSON or YAML strategy file; pickled files are refused."""
-        path = Path(path)
-        if not path.is_file():
-            raise StrategyFileError(f"strategy file {str(path)!r} does not exist (or is not a file)")
-        source = f"strategy file {str(path)!r}"
-        raw = path.read_bytes()
-        if path.suffix.lower() in _PICKLE_SUFFIXES:
-            _refuse_pickle(source)
-        text = _decode(raw, source)
-        if path.suffix.lower() in (".yaml", ".yml"):
-            return cls.from_data(_load_yaml(text, source), source)
-        return cls.from_json(text, source)
+        return cls.from_data(read_strategy_file(path), f"strategy file {str(path)!r}")
+
+
+def read_strategy_file(path: str | os.PathLike) -> Any:
+    """The parsed JSON or YAML of a strategy file, not yet validated; pickles are refused."""
+    path = Path(path)
+    if not path.is_file():
+        raise StrategyFileError(f"strategy file {str(path)!r} does not exist (or is not a file)")
+    source = f"strategy file {str(path)!r}"
+    raw = path.read_bytes()
+    if path.suffix.lower() in _PICKLE_SUFFIXES:
+        _refuse_pickle(source)
+    text = _decode(raw, source)
+    if path.suffix.lower() in (".yaml", ".yml"):
+        return _load_yaml(text, source)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise StrategyFileError(f"{source} is not valid JSON: {error}") from None
 
 
 def _decode(raw: str | bytes, source: str) -> str:
@@ -224,10 +222,34 @@ def _load_yaml(text: str, source: str) -> Any:
         raise StrategyFileError(f"{source} is not valid YAML: {error}") from None
 
 
+def method_entries(data: Any, source: str = "strategy") -> tuple[list, str | None]:
+    """The method entries and the description of parsed strategy JSON/YAML, not yet validated
+    (``atorch validate`` checks each entry on its own, to report every problem at once)."""
+    description = None
+    if isinstance(data, dict):
+        unknown = set(data) - {"format", "version", "description", "methods"}
+        if unknown:
+            raise StrategyFileError(
+                f"{source}: unknown top-level keys {sorted(unknown)}; expected 'methods' (and 'description')")
+        description = data.get("description")
+        if description is not None and not isinstance(description, str):
+            raise StrategyFileError(f"{source}: 'description' must be text")
+        if data.get("format", FORMAT_NAME) != FORMAT_NAME:
+            raise StrategyFileError(f"{source}: format is {data['format']!r}, expected {FORMAT_NAME!r}")
+        if data.get("version", FORMAT_VERSION) > FORMAT_VERSION:
+            raise StrategyFileError(
+                f"{source}: written by a newer atorch (format version {data['version']}); upgrade atorch"
+            )
+        data = data.get("methods", [])
+    if not isinstance(data, list):
+        raise StrategyFileError(f"{source}: expected a list of methods or {{'methods': [...]}}, got {type(data).__name__}")
+    return data, description
+
+
 def parse_strategy(value: Any) -> Strategy:
     """Read any ``load_strategy`` form: Strategy, list, JSON text (str/bytes) or a file path."""
     if isinstance(value, Strategy):
-        return Strategy(value.items())
+        return Strategy(value.items(), value.description)
     if isinstance(value, (list, tuple)):
         return Strategy(value)
     if isinstance(value, bytes):

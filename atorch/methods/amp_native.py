@@ -43,6 +43,31 @@ def wrap_optimizer(ctx: ModelContext, config: AmpNativeConfig) -> None:
         ctx.loss_func = ScaledLossFunc(ctx.loss_func, scaler)
 
 
+def saved_in_autocast_dtype(config: AmpNativeConfig, saved: dict) -> dict:
+    """Cost-model term: the floating-point activations autograd saves, counted in autocast's dtype.
+
+    Under autocast, matmuls take and give the low-precision dtype, and the ops that follow them
+    save their inputs in it; a probe on meta tensors, where autocast does nothing, sees them all
+    in fp32. This counts every wider floating-point byte at autocast's width (docs/search.md says
+    what that leaves out)."""
+    low = config.dtype.itemsize
+    out: dict = {}
+    for dtype, nbytes in saved.items():
+        if dtype.is_floating_point and dtype.itemsize > low:
+            dtype, nbytes = config.dtype, nbytes * low // dtype.itemsize
+        out[dtype] = out.get(dtype, 0) + nbytes
+    return out
+
+
+def cost_term(config: AmpNativeConfig, cost) -> None:
+    cost.compute_dtype = "half"
+    if "amp_native" not in cost.absorbed:
+        # autocast keeps a low-precision copy of each weight it casts during forward (a sharding
+        # method that absorbs amp gathers its weights in that dtype instead)
+        copies = sum(p.numel() * config.dtype.itemsize for p in cost.model.parameters())
+        cost.gathered += copies * cost.split * cost.stage_share
+
+
 def _unsupported(device_ctx, config) -> str | None:
     return bf16_unsupported(device_ctx, config.dtype)
 
@@ -62,5 +87,7 @@ register_method(
         overridden_by=("half",),
         unsupported=_unsupported,
         search_space=({"dtype": "bfloat16"},),
+        activation_term=saved_in_autocast_dtype,
+        cost_term=cost_term,
     )
 )

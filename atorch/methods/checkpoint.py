@@ -21,7 +21,7 @@ from atorch.auto.context import ModelContext
 from atorch.auto.registry import MethodSpec, Stage, register_method
 from atorch.errors import MethodConfigError
 from atorch.utils.log import logger
-from atorch.utils.modules import class_names_in, find_block_classes, modules_of_classes
+from atorch.utils.modules import class_names_in, find_block_classes, missing_class_error, modules_of_classes
 
 
 class CheckpointConfig(MethodConfig):
@@ -61,9 +61,7 @@ def resolve(model: torch.nn.Module, config: CheckpointConfig) -> CheckpointConfi
             f"classes with ('checkpoint', {{'wrap_class': [...]}}). Classes in the model: {class_names_in(model)}"
         )
     if not modules_of_classes(model, targets):
-        raise MethodConfigError(
-            f"checkpoint: no module of class {targets} in the model; classes in the model: {class_names_in(model)}"
-        )
+        raise MethodConfigError(missing_class_error("checkpoint", "wrap_class", targets, model))
     return config.model_copy(update={"wrap_class": targets})
 
 
@@ -75,6 +73,10 @@ def apply_checkpoint(ctx: ModelContext, config: CheckpointConfig) -> None:
     logger.info("checkpoint: %d modules of %s checkpointed", len(matched), targets)
 
 
+def cost_term(config: CheckpointConfig, cost) -> None:
+    cost.passes += 1  # the checkpointed blocks' forward runs again in backward
+
+
 register_method(
     MethodSpec(
         name="checkpoint",
@@ -84,5 +86,6 @@ register_method(
         resolve=resolve,
         search_space=({},),
         memory_only=True,
+        cost_term=cost_term,
     )
 )

@@ -132,5 +132,7 @@ register_method(
         description="fp8 matmuls through transformer-engine (sm 8.9+)",
         unsupported=_unsupported,
         search_space=({},),
+        # transformer-engine layers need a GPU: the cost model's activation probe leaves them out
+        probed=False,
     )
 )

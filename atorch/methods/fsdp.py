@@ -16,7 +16,7 @@ from atorch.auto.registry import ONE_SHARDING, MethodSpec, Stage, register_metho
 from atorch.errors import MethodConfigError
 from atorch.sharding import fsdp2
 from atorch.utils.log import logger
-from atorch.utils.modules import class_names_in, find_block_classes
+from atorch.utils.modules import find_block_classes, missing_class_error, unit_summary
 
 
 class FsdpConfig(MethodConfig):
@@ -44,11 +44,16 @@ class FsdpConfig(MethodConfig):
 
 
 def resolve(model: torch.nn.Module, config: FsdpConfig) -> FsdpConfig:
-    if config.atorch_wrap_cls or config.atorch_size_based_min_num_params or config.wrap_trainable_outmost:
-        if config.atorch_wrap_cls and not fsdp2.choose_units(model, config.atorch_wrap_cls):
-            raise MethodConfigError(
-                f"fsdp: no module of class {config.atorch_wrap_cls} in the model; classes in the model: {class_names_in(model)}"
-            )
+    """Fill in the unit classes: the model's repeated blocks unless classes or a size are given.
+
+    ``wrap_trainable_outmost`` adds the adapters to the units; it does not replace the blocks
+    (before, it did: a LoRA model was sharded as its adapters plus one root holding every block).
+    """
+    if config.atorch_wrap_cls:
+        if not fsdp2.choose_units(model, config.atorch_wrap_cls):
+            raise MethodConfigError(missing_class_error("fsdp", "atorch_wrap_cls", config.atorch_wrap_cls, model))
+        return config
+    if config.atorch_size_based_min_num_params:
         return config
     return config.model_copy(update={"atorch_wrap_cls": [class_name(c) for c in find_block_classes(model)]})
 
@@ -67,6 +72,7 @@ def shard(ctx: ModelContext, config: FsdpConfig) -> None:
         ctx.model, config.atorch_wrap_cls, config.atorch_size_based_min_num_params,
         config.atorch_ignored_cls, config.wrap_trainable_outmost,
     )
+    summary = unit_summary(ctx.model, units)  # before sharding renames the classes (FSDPLinear)
     if config.sync_module_states:
         fsdp2.broadcast_module_states(ctx.model, ctx.topology.data_parallel_group)
     cpu_offload = config.cpu_offload
@@ -84,7 +90,17 @@ def shard(ctx: ModelContext, config: FsdpConfig) -> None:
         forward_prefetch=config.forward_prefetch,
     )
     ctx.wrapped_by = "fsdp"
-    logger.info("fsdp: %d units + root sharded over %d ranks", len(units), ctx.topology.data_parallel_size)
+    logger.info("fsdp: %d units (%s) + root sharded over %d ranks", len(units), summary,
+                ctx.topology.data_parallel_size)
+
+
+def cost_term(config: FsdpConfig, cost) -> None:
+    from atorch.auto.search.cost import largest_unit_bytes
+
+    cost.shard_over_data(params=True, grads=True, optim=True)
+    # The unit running and the one prefetched are whole on every rank.
+    cost.gathered += 2 * largest_unit_bytes(cost.model, list(config.atorch_wrap_cls or [])) * cost.weight_scale * cost.split
+    cost.data_sync = {"params": 2, "grads": 1}  # all-gather in forward and backward, reduce-scatter
 
 
 register_method(
@@ -100,5 +116,6 @@ register_method(
         resolve=resolve,
         search_space=({},),
         memory_only=True,
+        cost_term=cost_term,
     )
 )

@@ -43,6 +43,13 @@ def _unsupported(device_ctx, config) -> str | None:
     return bf16_unsupported(device_ctx, config.dtype)
 
 
+def cost_term(config: HalfConfig, cost) -> None:
+    # Parameters, gradients and optimizer state in 2 bytes; matmuls at the half rate.
+    cost.weight_scale *= 0.5
+    cost.split_model(0.5)
+    cost.compute_dtype = "half"
+
+
 register_method(
     MethodSpec(
         name="half",
@@ -52,5 +59,6 @@ register_method(
         after=("module_replace", "tensor_parallel", "pipeline_parallel", "mixed_parallel", "ds_3d_parallel"),
         description="model, inputs and optimizer state in fp16 or bf16",
         unsupported=_unsupported,
+        cost_term=cost_term,
     )
 )

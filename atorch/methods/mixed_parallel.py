@@ -13,10 +13,12 @@ import torch
 from pydantic import Field
 
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.auto.registry import LayoutJob, MethodSpec, Stage, register_method
 from atorch.distributed import env
 from atorch.distributed.topology import DATA_PARALLEL_DIMS
 from atorch.errors import MethodConfigError, WorldSizeError
+from atorch.methods.pipeline_parallel import divisors, pipeline_ineligible, pipeline_terms
+from atorch.methods.tensor_parallel import tensor_ineligible, tensor_terms
 from atorch.parallel_layers.auto_shard import ShardingError, shard_model
 from atorch.pipeline.auto import PipelineFields, check_fields, pipeline_model
 from atorch.pipeline.layouts import layout_for
@@ -76,6 +78,29 @@ def split_and_shard(ctx: ModelContext, config: MixedParallelConfig) -> None:
     pipeline_model(ctx, config, "mixed_parallel", stage_transform=shard if tensor > 1 else None)
 
 
+def layouts(world_size: int) -> list[tuple[dict[str, int], dict]]:
+    # tensor x pipeline, both above 1 (one of them alone is tensor_parallel or pipeline_parallel);
+    # microbatches as for pipeline_parallel.
+    return [({"tensor": t, "pipeline": p}, {"tensor_size": t, "pipeline_size": p, "num_microbatches": m})
+            for t in divisors(world_size) for p in divisors(world_size // t) for m in (p, 2 * p)]
+
+
+def ineligible(model: torch.nn.Module, config: MixedParallelConfig, job: LayoutJob) -> str | None:
+    why = (tensor_ineligible(model, job.dims.get("tensor", 1))
+           or pipeline_ineligible(model, config, job, job.dims.get("pipeline", 1)))
+    if why is None and getattr(layout_for(model), "traced", False):
+        why = (f"tensor={job.dims.get('tensor', 1)} x pipeline={job.dims.get('pipeline', 1)}: mixed_parallel shards "
+               f"stages built from a layout, and no layout knows {type(model).__name__} (only a trace of its "
+               "forward splits it: pipeline_parallel)")
+    return why
+
+
+def cost_term(config: MixedParallelConfig, cost) -> None:
+    # Stages first: the tensor term's communication counts only the rank's own stage's layers.
+    pipeline_terms(cost, config, cost.size("pipeline"))
+    tensor_terms(cost, cost.size("tensor"))
+
+
 register_method(
     MethodSpec(
         name="mixed_parallel",
@@ -92,5 +117,9 @@ register_method(
                             "mixed_parallel already splits the model over tensor and pipeline ranks"),
         },
         resolve=resolve,
+        layouts=layouts,
+        ineligible=ineligible,
+        cost_term=cost_term,
+        probed=False,  # the stages need the process mesh; cost_term divides the model instead
     )
 )

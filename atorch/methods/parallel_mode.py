@@ -2,14 +2,16 @@
 
 Config forms: ``"parallel_mode"`` (data parallel over every process),
 ``("parallel_mode", ([("tensor", 2), ("data", 2)], None))`` (dims innermost first, then an
-optional rank order), or ``{"dims": [["data", 4]], "rank_order": null}``.
+optional rank order), or ``{"dims": [["data", 4]], "rank_order": null}``. The original ATorch's dim
+names are read as atorch's: ``"model"`` is the tensor dim, ``"pipe"`` the pipeline dim (the
+returned strategy names them ``tensor`` and ``pipeline``).
 
 DDP wraps the model only when no sharding method (fsdp, zero2, ...) has wrapped it already.
 """
 
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from torch.nn.parallel import DistributedDataParallel
 
 from atorch import parallel_state
@@ -17,6 +19,9 @@ from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
 from atorch.auto.registry import MethodSpec, Stage, register_method
 from atorch.distributed.topology import Topology
+
+# The original ATorch's names for atorch's dims (its strategies and create_parallel_group use them).
+DIM_ALIASES = {"model": "tensor", "pipe": "pipeline"}
 
 
 class ParallelModeConfig(MethodConfig):
@@ -36,6 +41,11 @@ class ParallelModeConfig(MethodConfig):
         if isinstance(raw, (tuple, list)) and all(isinstance(d, (list, tuple)) and len(d) == 2 for d in raw):
             return {"dims": [tuple(d) for d in raw]}
         return raw
+
+    @field_validator("dims")
+    @classmethod
+    def _atorch_dim_names(cls, dims):
+        return None if dims is None else [(DIM_ALIASES.get(name, name), size) for name, size in dims]
 
 
 def build_topology(ctx: ModelContext, config: ParallelModeConfig) -> None:
@@ -58,6 +68,11 @@ def wrap_ddp(ctx: ModelContext, config: ParallelModeConfig) -> None:
     ctx.wrapped_by = "parallel_mode"
 
 
+def cost_term(config: ParallelModeConfig, cost) -> None:
+    # DDP all-reduces the gradients over the data ranks; a sharding method replaces this sync.
+    cost.data_sync = {"grads": 2}
+
+
 register_method(
     MethodSpec(
         name="parallel_mode",
@@ -65,5 +80,6 @@ register_method(
         hooks={Stage.TOPOLOGY: build_topology, Stage.REPLICATE: wrap_ddp},
         description="named process mesh (data, zero, tensor, pipeline) and DDP over the data dims",
         distributed_only=True,
+        cost_term=cost_term,
     )
 )

@@ -10,9 +10,12 @@ dims is done by the pipeline model itself (no DDP wrapper).
 import torch
 
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.auto.registry import LayoutJob, MethodSpec, Stage, register_method
+from atorch.errors import AtorchConfigError
+from atorch.pipeline import pipeline_eligibility
 from atorch.pipeline.auto import PipelineFields, check_fields, pipeline_model
 from atorch.pipeline.layouts import layout_for
+from atorch.pipeline.partition import balanced_ranges, ranges_from_cuts
 
 
 class PipelineParallelConfig(PipelineFields):
@@ -27,6 +30,94 @@ def resolve(model: torch.nn.Module, config: PipelineParallelConfig) -> PipelineP
 
 def split(ctx: ModelContext, config: PipelineParallelConfig) -> None:
     pipeline_model(ctx, config, "pipeline_parallel")
+
+
+def divisors(n: int) -> list[int]:
+    """The sizes above 1 a parallel dim can take on ``n`` ranks."""
+    return [d for d in range(2, n + 1) if n % d == 0]
+
+
+def layouts(world_size: int) -> list[tuple[dict[str, int], dict]]:
+    # Microbatches: as many as stages (the fewest that fill the pipeline) and twice that (half
+    # the bubble, smaller matmuls); the 1F1B schedule. Interleaved schedules are not searched.
+    return [({"pipeline": p}, {"num_microbatches": m}) for p in divisors(world_size) for m in (p, 2 * p)]
+
+
+def stage_ranges(model: torch.nn.Module, config: PipelineFields, stages: int) -> list[list[str]]:
+    """The units of each stage as PipelineModel will split them (raises when it cannot)."""
+    layout = layout_for(model)
+    count = stages * config.virtual_pipeline_size
+    if config.pipeline_cuts is not None:
+        return ranges_from_cuts(layout.units, list(config.pipeline_cuts), count)
+    return balanced_ranges(model, layout.units, layout.layer_units, count)
+
+
+def pipeline_ineligible(model: torch.nn.Module, config: PipelineFields, job: LayoutJob, stages: int) -> str | None:
+    """Why ``model`` cannot run in ``stages`` pipeline stages on ``job``'s layout, or None."""
+    where = f"pipeline={stages}"
+    if job.model_input_format not in (None, "unpack_dict"):
+        return (f"{where}: pipeline stages take the batch's fields as keyword arguments (model_input_format "
+                f"'unpack_dict'), not {job.model_input_format!r}")
+    try:
+        check_fields(config)
+    except AtorchConfigError as error:
+        return f"{where}: {error}"
+    if config.pipeline_cuts is None:
+        why = pipeline_eligibility(model, stages * config.virtual_pipeline_size)
+        if why is not None:
+            return f"{where}: {why}"
+    batch = job.batch_per_data_rank
+    if batch is not None and batch % config.num_microbatches:
+        return (f"{where}: {config.num_microbatches} microbatches do not divide the {batch} samples each "
+                "data-parallel rank gets per step")
+    return None
+
+
+def ineligible(model: torch.nn.Module, config: PipelineParallelConfig, job: LayoutJob) -> str | None:
+    return pipeline_ineligible(model, config, job, job.dims.get("pipeline", 1))
+
+
+def _boundary_width(model: torch.nn.Module, names: list[str]) -> int:
+    """Features of the hidden state passed from one stage to the next."""
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    if hidden:
+        return int(hidden)
+    for name in reversed(names):
+        for module in reversed(list(model.get_submodule(name).modules())):
+            if isinstance(module, torch.nn.Linear):
+                return module.out_features
+            if isinstance(module, torch.nn.Embedding):
+                return module.embedding_dim
+    return 0
+
+
+def pipeline_terms(cost, config: PipelineFields, stages: int) -> None:
+    """Memory and time of ``stages`` pipeline stages: a rank keeps its stages' share of the model;
+    a schedule keeps some microbatches' activations in flight and idles (p-1)/(m v) of the time;
+    stages send each microbatch's hidden state forward and its gradient back."""
+    from atorch.auto.search.cost import Comm
+
+    if stages <= 1:
+        return
+    ranges = stage_ranges(cost.model, config, stages)
+    sizes = [sum(p.numel() for name in names for p in cost.model.get_submodule(name).parameters()) for names in ranges]
+    per_rank = [sum(sizes[r::stages]) for r in range(stages)]  # interleaved: rank r runs stages r, r+p, ...
+    share = max(per_rank) / max(sum(sizes), 1)
+    cost.split_model(share)
+    cost.stage_share *= share
+    m, v = config.num_microbatches, config.virtual_pipeline_size
+    # The first stage holds the activations of every microbatch it has run forward and not yet
+    # backward: all of them under GPipe, at most as many as stages under 1F1B.
+    in_flight = m if config.schedule == "gpipe" else min(m, stages)
+    cost.activations *= share * in_flight / m
+    cost.compute_share *= share
+    cost.bubble += (stages - 1) / (m * v)
+    width = _boundary_width(cost.model, ranges[0])
+    cost.comms.append(Comm("pipeline", 2 * cost.tokens * width * v, 2 * m * v))
+
+
+def cost_term(config: PipelineParallelConfig, cost) -> None:
+    pipeline_terms(cost, config, cost.size("pipeline"))
 
 
 register_method(
@@ -44,5 +135,9 @@ register_method(
             **dict.fromkeys(("tensor_parallel", "sequence_parallel"), "tensor x pipeline is mixed_parallel; use it"),
         },
         resolve=resolve,
+        layouts=layouts,
+        ineligible=ineligible,
+        cost_term=cost_term,
+        probed=False,  # the stages need the process mesh; cost_term divides the model instead
     )
 )

@@ -19,9 +19,9 @@ from pydantic import Field, model_validator
 
 from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.auto.registry import LayoutJob, MethodSpec, Stage, register_method
 from atorch.errors import MethodConfigError, StrategyConflictError
-from atorch.parallel_layers.auto_shard import ShardingError, shard_model
+from atorch.parallel_layers.auto_shard import ShardingError, plan_shards, shard_model
 from atorch.utils.log import logger
 
 
@@ -99,6 +99,75 @@ def shard(ctx: ModelContext, config: TensorParallelConfig) -> None:
                 ", ".join(f"{n} {k}" for k, n in kinds.items()))
 
 
+def layouts(world_size: int) -> list[tuple[dict[str, int], dict]]:
+    # The 1d algorithm over every tensor size that divides the world (3d grids are not searched).
+    return [({"tensor": t}, {}) for t in range(2, world_size + 1) if world_size % t == 0]
+
+
+_SPLITS = ("column", "row")
+
+
+def tensor_ineligible(model, tensor: int) -> str | None:
+    """Why the 1d algorithm cannot split ``model`` over ``tensor`` ranks, or None."""
+    try:
+        plan = plan_shards(model, tensor)
+    except ShardingError as error:
+        return f"tensor={tensor}: {error}"
+    if not any(how.startswith(_SPLITS) and how != "column_gather" for _, how in plan):
+        return (f"tensor={tensor}: tensor_parallel finds no attention or MLP it can split in {type(model).__name__} "
+                "(see atorch/parallel_layers/auto_shard.py for what it recognizes)")
+    return None
+
+
+def ineligible(model, config: TensorParallelConfig, job: LayoutJob) -> str | None:
+    if config.algorithm == "3d":
+        return None  # the search does not lay out 3d grids; a loaded one is checked when applied
+    return tensor_ineligible(model, job.dims.get("tensor", 1))
+
+
+# Of the 34 bytes per token and hidden unit a transformer layer saves for backward, 24 lie inside
+# the tensor-parallel regions (split) and 10 outside (norm inputs, residuals: replicated); with
+# sequence parallelism those are split too. Korthikanti et al. 2022, arXiv:2205.05198, eq. 2-3.
+REPLICATED_ACTIVATIONS = 10 / 34
+
+
+def tensor_terms(cost, tensor: int, sequence_parallel: bool = False) -> None:
+    """Memory and time of the 1d algorithm over ``tensor`` ranks: the split layers' weights and
+    the activations inside them divide; each row-parallel layer all-reduces its output in forward
+    and its column partner's input gradient in backward (not overlapped); the vocabulary-split
+    embedding all-reduces its output and the head gathers its logits."""
+    from atorch.auto.search.cost import Comm
+
+    if tensor <= 1:
+        return
+    plan = plan_shards(cost.model, tensor)
+    modules = dict(cost.model.named_modules())
+    split = sum(p.numel() * p.element_size() for name, _ in plan for p in modules[name].parameters())
+    share = 1 - split / max(cost.param_bytes(), 1) * (1 - 1 / tensor)
+    cost.split_model(share)
+    cost.split *= share
+    replicated = 0.0 if sequence_parallel else REPLICATED_ACTIVATIONS
+    cost.activations *= replicated + (1 - replicated) / tensor
+    cost.compute_share *= share
+    widths, messages = 0, 0
+    for name, how in plan:
+        module = modules[name]
+        if how.startswith("row"):
+            widths += 2 * (module.out_features if hasattr(module, "out_features") else module.nf)
+            messages += 2
+        elif how in ("embedding", "column_gather"):
+            widths += module.embedding_dim if how == "embedding" else module.out_features
+            messages += 1
+    # Within one pipeline stage (mixed_parallel), a rank runs only its stage's layers.
+    cost.comms.append(Comm("tensor", cost.tokens * widths * cost.stage_share, max(1, round(messages * cost.stage_share)),
+                           2 * (tensor - 1) / tensor))
+
+
+def cost_term(config: TensorParallelConfig, cost) -> None:
+    if config.algorithm != "3d":
+        tensor_terms(cost, cost.size("tensor"), "sequence_parallel" in cost.methods)
+
+
 register_method(
     MethodSpec(
         name="tensor_parallel",
@@ -108,6 +177,10 @@ register_method(
         distributed_only=True,
         uses_dims=("tensor",),
         needs_dims=("tensor",),
+        layouts=layouts,
+        ineligible=ineligible,
+        cost_term=cost_term,
+        probed=False,  # the split layers need the tensor group; cost_term divides the model instead
     )
 )
 

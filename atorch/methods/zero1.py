@@ -48,6 +48,18 @@ def _unsupported(device_ctx, config: Zero1Config) -> str | None:
     return deepspeed_unavailable() if config.use_ds_zero else None
 
 
+def cost_term(config: Zero1Config, cost) -> None:
+    cost.shard_over_data(params=False, grads=False, optim=True)
+    if not config.use_ds_zero:
+        # ZeroRedundancyOptimizer hands out whole tensors: some rank holds the largest one (often
+        # the embedding), however many ranks there are.
+        largest = max((p.numel() * p.element_size() for p in cost.model.parameters() if p.requires_grad),
+                      default=0) * cost.weight_scale * cost.split
+        cost.optim_state = max(cost.optim_state, largest * cost.state_factor)
+        cost.step_temp = max(cost.step_temp, largest)
+    cost.data_sync = {"grads": 2, "params": 1}  # all-reduce gradients, broadcast updated parameters
+
+
 register_method(
     MethodSpec(
         name="zero1",
@@ -60,5 +72,6 @@ register_method(
         unsupported=_unsupported,
         search_space=({},),
         memory_only=True,
+        cost_term=cost_term,
     )
 )

@@ -58,9 +58,15 @@ def wrap_fairscale(ctx: ModelContext, config: Zero2Config) -> None:
 
         # No gradient buckets: bucketed gradients are views that only model.zero_grad() clears,
         # and the training loop calls optim.zero_grad().
-        ctx.model = ShardedDataParallel(
+        model = ShardedDataParallel(
             ctx.model, ctx.base_optim, process_group=ctx.topology.data_parallel_group, reduce_buffer_size=0
         )
+        # fairscale 0.4.13 (its last release) keeps a reduced gradient only where the owner's
+        # rank *in the group* equals this process's *global* rank: on a data group other than
+        # the world (tensor x data layouts) owners dropped their gradients and skipped updates.
+        # Its only use of _global_rank is that comparison, so the group rank makes it right.
+        model._global_rank = model._rank
+        ctx.model = model
 
 
 def wrap_ds(ctx: ModelContext, config: Zero2Config) -> None:
@@ -85,6 +91,11 @@ def _unsupported(device_ctx, config: Zero2Config) -> str | None:
     return None
 
 
+def cost_term(config: Zero2Config, cost) -> None:
+    cost.shard_over_data(params=False, grads=True, optim=True)
+    cost.data_sync = {"grads": 1, "params": 1}  # reduce-scatter gradients, all-gather updated parameters
+
+
 register_method(
     MethodSpec(
         name="zero2",
@@ -99,5 +110,6 @@ register_method(
         unsupported=_unsupported,
         search_space=({},),
         memory_only=True,
+        cost_term=cost_term,
     )
 )

@@ -41,6 +41,70 @@ def deepspeed_config(ctx: ModelContext, stage: int, user_config: dict[str, Any] 
     return _merge(config, user_config or {})
 
 
+class TopologyMpu:
+    """Megatron's ``mpu`` interface over a :class:`Topology`, for ``deepspeed.initialize``.
+
+    Without one DeepSpeed takes the whole world as its data-parallel group: on a tensor x data
+    layout it broadcast tensor rank 0's shards over the other tensor ranks at start and averaged
+    gradients of different shards together. With it, DeepSpeed broadcasts, reduces and
+    partitions over the data-parallel ranks only, and counts a replicated parameter's gradient
+    norm once per model-parallel group (the tensor and pipeline dims).
+    """
+
+    def __init__(self, topology):
+        from atorch.distributed.topology import DATA_PARALLEL_DIMS
+
+        self.topology = topology
+        mesh = topology.mesh
+        model_dims = [name for name in (mesh.mesh_dim_names if mesh is not None else ())
+                      if name not in DATA_PARALLEL_DIMS and topology.size(name) > 1]
+        # None marks an absent dim to DeepSpeed (no collective), never the world.
+        self._model_group = None
+        if len(model_dims) == 1:
+            self._model_group = topology.group(model_dims[0])
+        elif model_dims:  # a collective call: every rank wraps its engine here
+            self._model_group = mesh[tuple(model_dims)]._flatten("model_parallel").get_group()
+
+    def get_data_parallel_group(self):
+        return self.topology.data_parallel_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.topology.data_parallel_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.topology.data_parallel_rank
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        group = self.topology.data_parallel_group
+        return list(range(_world_size())) if group is None else torch.distributed.get_process_group_ranks(group)
+
+    def get_model_parallel_group(self):
+        return self._model_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1 if self._model_group is None else torch.distributed.get_world_size(self._model_group)
+
+    def get_model_parallel_rank(self) -> int:
+        return 0 if self._model_group is None else torch.distributed.get_rank(self._model_group)
+
+    def get_tensor_model_parallel_group(self):
+        return self.topology.group("tensor")
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.topology.size("tensor")
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.topology.coordinate("tensor")
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        group = self.topology.group("tensor")
+        return torch.distributed.get_rank() if group is None else torch.distributed.get_global_rank(group, 0)
+
+
+def _world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
 def wrap_deepspeed(ctx: ModelContext, stage: int, user_config: dict[str, Any] | None = None) -> None:
     """Hand the model and optimizer to ``deepspeed.initialize`` with ZeRO ``stage``.
 
@@ -56,7 +120,7 @@ def wrap_deepspeed(ctx: ModelContext, stage: int, user_config: dict[str, Any] | 
     optimizer = unwrap_optimizer(ctx.optim)
     engine, _, _, _ = deepspeed.initialize(
         model=unwrap(ctx.model), optimizer=optimizer, config=deepspeed_config(ctx, stage, user_config),
-        dist_init_required=False,
+        dist_init_required=False, mpu=TopologyMpu(ctx.topology),
     )
     ctx.model, ctx.optim = engine, engine
     ctx.args["use_optim_backward"] = True

@@ -109,10 +109,10 @@ def test_duplicate_registration_is_an_error(fake_methods):
 def test_zero_methods_need_more_than_one_data_parallel_rank(fake_methods):
     register_method(MethodSpec("_uses_tensor", _Cfg, {}, "test", uses_dims=("tensor",)))
     try:
-        requested = Strategy([("parallel_mode", ([("tensor", 2), ("data", 1)], None)), "_uses_tensor", "zero1", "fsdp"])
-        strategy, notes = plan_strategy(requested, device_ctx(2))
-        assert strategy.opt_names == ["parallel_mode", "_uses_tensor"]
-        for name in ("zero1", "fsdp"):
+        for name in ("zero1", "fsdp"):  # one at a time: together they conflict at any world size
+            requested = Strategy([("parallel_mode", ([("tensor", 2), ("data", 1)], None)), "_uses_tensor", name])
+            strategy, notes = plan_strategy(requested, device_ctx(2))
+            assert strategy.opt_names == ["parallel_mode", "_uses_tensor"]
             assert any(f"{name}: dropped because it shards over data-parallel ranks" in n for n in notes)
     finally:
         unregister_method("_uses_tensor")
@@ -122,6 +122,14 @@ def test_sharding_methods_conflict_with_each_other():
     for pair in (["zero1", "zero2"], ["zero2", "fsdp"], ["zero1", "fsdp"]):
         with pytest.raises(StrategyConflictError):
             plan_strategy(Strategy(["parallel_mode", *pair]), device_ctx(2))
+
+
+def test_a_conflict_is_refused_even_where_both_methods_would_be_dropped():
+    # On one process zero2 and fsdp are both dropped (they need data-parallel ranks); before,
+    # the pair passed there and failed only when the job was scaled out.
+    with pytest.raises(StrategyConflictError, match="'fsdp' and 'zero2' cannot be used together"):
+        plan_strategy(Strategy(["zero2", "fsdp"]), device_ctx(1))
+    assert plan_strategy(Strategy(["zero2"]), device_ctx(1))[0].opt_names == []
 
 
 BACKENDS = [("deepspeed", ("zero1", {"use_ds_zero": True})), ("fairscale", ("zero2", {"not_use_fsdp": True}))]

@@ -39,9 +39,17 @@ def test_checkpoint_recomputes_blocks_with_identical_grads(config):
 def test_unknown_class_fails_before_anything_is_applied():
     model = TinyTransformer()
     forward = model.forward
-    with pytest.raises(MethodConfigError, match="no module of class.*classes in the model"):
+    with pytest.raises(MethodConfigError, match="no module of class.*Classes in the model") as error:
         auto_accelerate(model, load_strategy=[("amp_native", "bf16"), ("checkpoint", ["NoSuchBlock"])])
     assert model.forward == forward  # amp_native was not half-applied
+    # The message says the fix: an empty list detects the blocks, which it names.
+    assert 'write "wrap_class": [] to use the model\'s repeated blocks' in str(error.value)
+    assert "(here ['Block'])" in str(error.value)
+
+
+def test_unknown_class_error_names_the_closest_classes():
+    with pytest.raises(MethodConfigError, match=r"Closest class names in the model: \['Block'\]"):
+        auto_accelerate(TinyTransformer(), load_strategy=[("checkpoint", ["Blocks"])])
 
 
 def test_model_without_blocks_needs_explicit_classes():

@@ -1,6 +1,7 @@
 """LoRA (peft) models through the methods: only adapters train, results match the reference."""
 
 import pytest
+import torch
 
 from tests.helpers.compare import (
     FP32_RTOL,
@@ -64,3 +65,62 @@ def test_lora_with_amp_and_checkpoint_single_process(reference):
     # Negative controls: without training, or in fp32 (the module fixture), the check fails.
     lr0 = train_hf([("amp_native", "bf16")], lora=True, lr=0.0)
     assert_sensitive(result["losses"], {"lr=0": lr0["losses"], "fp32": reference["losses"]}, LOW_PRECISION_RTOL)
+
+
+def _gpt2_lora():
+    from peft import LoraConfig, get_peft_model
+
+    from tests.helpers.hf import tiny_gpt2
+
+    # GPT-2's attention projection is a Conv1D (fan_in_fan_out); peft targets c_attn in each block.
+    return get_peft_model(tiny_gpt2(), LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+
+
+def test_trainable_outmost_keeps_the_blocks_as_units():
+    from atorch.methods.fsdp import FsdpConfig, resolve
+    from atorch.sharding import fsdp2
+
+    model = _gpt2_lora()
+    config = resolve(model, FsdpConfig(wrap_trainable_outmost=True))
+    # Before: no classes were detected when wrap_trainable_outmost was set, so only the 4 adapters
+    # (lora_A, lora_B in 2 blocks) became units and the root held every block's weights.
+    assert [name.rsplit(".", 1)[-1] for name in config.atorch_wrap_cls] == ["GPT2Block"]
+    units = fsdp2.choose_units(model, config.atorch_wrap_cls, None, [], True)
+    assert len(units) == 6
+    assert sum(name.endswith(("h.0", "h.1")) for name in units) == 2
+    assert sum(".lora_" in name for name in units) == 4
+    # Named classes are kept as named; a size-based policy is not joined by detected blocks.
+    assert resolve(model, FsdpConfig(atorch_wrap_cls=["GPT2MLP"], wrap_trainable_outmost=True)).atorch_wrap_cls == ["GPT2MLP"]
+    assert resolve(model, FsdpConfig(atorch_size_based_min_num_params=10**9)).atorch_wrap_cls == []
+
+
+def _shard_gpt2_lora() -> dict:
+    import logging
+
+    from torch.distributed.fsdp import FSDPModule
+
+    from atorch.auto import auto_accelerate
+    from tests.helpers.hf import CountingTokens
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("atorch").addHandler(handler)
+    _, result, strategy = auto_accelerate(
+        _gpt2_lora(), torch.optim.AdamW, CountingTokens(), lambda batch, out: out.loss,
+        dataloader_args={"batch_size": 8}, model_input_format="unpack_dict",
+        load_strategy=["parallel_mode", ("fsdp", {"wrap_trainable_outmost": True})],
+    )
+    units = [name for name, m in result.model.named_modules() if name and isinstance(m, FSDPModule)]
+    return {"units": units, "strategy": strategy.to_dict(), "log": [r for r in records if r.startswith("fsdp:")]}
+
+
+def test_fsdp_trainable_outmost_on_gpt2_lora_shards_blocks_and_adapters_and_says_so():
+    results = run_distributed(_shard_gpt2_lora, 2)
+    for result in results:
+        assert len(result["units"]) == 6, result["units"]
+    # The returned strategy names the detected block class; the log line lists the units.
+    fsdp = next(m["config"] for m in results[0]["strategy"]["methods"] if m["name"] == "fsdp")
+    assert [name.rsplit(".", 1)[-1] for name in fsdp["atorch_wrap_cls"]] == ["GPT2Block"]
+    assert fsdp["wrap_trainable_outmost"] is True
+    assert any("6 units (4 x Linear, 2 x GPT2Block)" in line for line in results[0]["log"]), results[0]["log"]

@@ -33,3 +33,11 @@ def test_data_dim_rescaled_and_reported():
     results = run_distributed(train_losses, 2, [("parallel_mode", ([("data", 8)], None))], steps=5)
     dims = json.loads(results[0]["strategy"])["methods"][0]["config"]["dims"]
     assert dims == [["data", 2]]
+
+
+def test_the_original_atorch_dim_names_are_read_as_atorchs():
+    from atorch.auto import Strategy
+
+    strategy = Strategy([("parallel_mode", ([("model", 2), ("pipe", 2), ("data", 2)], None)), "tensor_parallel"])
+    assert strategy.get("parallel_mode").dims == [("tensor", 2), ("pipeline", 2), ("data", 2)]
+    assert "model" not in strategy.to_json()  # the saved strategy names what runs

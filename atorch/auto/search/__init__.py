@@ -24,8 +24,9 @@ def measure(model: torch.nn.Module, strategies: Sequence[Any], optim_func, datas
     from atorch.auto.strategy import parse_strategy
 
     device_ctx = DeviceContext.detect()
-    option_names = set(SearchOptions.__dataclass_fields__) - {"memory_budget"}
-    options = SearchOptions(memory_budget=memory_budget or 2**62, **{k: job.pop(k) for k in list(job) if k in option_names})
+    option_names = set(SearchOptions.__dataclass_fields__) - {"memory_budget", "budget_is_device_memory"}
+    options = SearchOptions(memory_budget=memory_budget or 2**62, budget_is_device_memory=memory_budget is None,
+                            **{k: job.pop(k) for k in list(job) if k in option_names})
     job.setdefault("prepare_input", move_to_device)
 
     def make_context(module):

@@ -1,5 +1,12 @@
 """Dry runs: a candidate applied to a fresh copy of the model and trained for a few steps on
-every rank, timed, and its peak memory tracked; failures are caught and agreed on."""
+every rank, timed, and its peak memory tracked; failures are caught and agreed on.
+
+A rank that fails alone (its forward raises, say) goes to the agreement while its peers may be
+inside the model's collectives, waiting for it. Two things keep that from sinking the job: the
+agreements run on a process group of their own (:func:`agree.agreement_group`), never matched
+against the model's collectives, and the candidate's groups are built with the dry run's timeout
+(:func:`collective_timeout`), so a waiting peer raises within it, joins the agreement, and every
+rank records the failure of the rank that failed first."""
 
 import copy
 import gc
@@ -13,8 +20,9 @@ import torch.distributed as dist
 from atorch.auto import loop
 from atorch.auto.context import ModelContext, run_model
 from atorch.auto.plan import resolve_strategy
-from atorch.auto.search.agree import all_ok, first_error, max_each, max_over_ranks
+from atorch.auto.search.agree import agreement_group, all_ok, first_error, max_each, max_over_ranks
 from atorch.auto.strategy import Strategy
+from atorch.distributed.topology import collective_timeout
 from atorch.utils.log import logger
 from atorch.utils.optim import unwrap_optimizer
 
@@ -69,22 +77,33 @@ def dry_run(
     Running past ``timeout_s`` is a failure; passing ``stop_after_s`` (the search's time left)
     ends the timed steps early and measures the ones that ran. Every rank takes both decisions
     on the slowest rank's clock."""
+    several = dist.is_initialized() and dist.get_world_size() > 1
+    if several:
+        agreement_group()  # created here, in step on every rank, before the candidate's groups
+    with collective_timeout(timeout_s if several else None):
+        return _dry_run(pristine, strategy, make_context, apply, warmup_steps, timed_steps, timeout_s,
+                        global_batch, stop_after_s)
+
+
+def _dry_run(pristine, strategy, make_context, apply, warmup_steps, timed_steps, timeout_s, global_batch,
+             stop_after_s) -> dict:
     start = time.perf_counter()
-    ctx, error = None, None
+    ctx, error, failed_at = None, None, None
     try:
         ctx = make_context(copy.deepcopy(pristine))
         strategy = resolve_strategy(ctx.model, strategy)
         ok = all_ok(True)
     except Exception as exc:  # noqa: BLE001 - any failure of a candidate is recorded, not raised
-        error, ok = f"{type(exc).__name__}: {exc}", all_ok(False)
+        error, failed_at = f"{type(exc).__name__}: {exc}", time.perf_counter() - start
+        ok = all_ok(False)
     if ok:
         try:
             apply(ctx, strategy, stage_barrier=all_ok)
         except Exception as exc:  # noqa: BLE001
-            error = f"{type(exc).__name__}: {exc}"
+            error, failed_at = f"{type(exc).__name__}: {exc}", time.perf_counter() - start
     if error is not None or not ok:
         _release(ctx)
-        return {"reason": first_error(error), "seconds": time.perf_counter() - start}
+        return {"reason": first_error(error, failed_at), "seconds": time.perf_counter() - start}
 
     elapsed = peak = None
     done, late = 0, False
@@ -112,13 +131,13 @@ def dry_run(
         except Exception as exc:  # noqa: BLE001 - a tracker that cannot follow a backend is not fatal
             logger.debug("memory tracking failed for %s: %s", strategy.opt_names, exc)
     except Exception as exc:  # noqa: BLE001
-        error = f"{type(exc).__name__}: {exc}"
+        error, failed_at = f"{type(exc).__name__}: {exc}", time.perf_counter() - start
     ok = all_ok(error is None)
     peak = max_over_ranks(peak) if ok else None
     _release(ctx)
     ctx = None
     if not ok:
-        return {"reason": first_error(error), "seconds": time.perf_counter() - start}
+        return {"reason": first_error(error, failed_at), "seconds": time.perf_counter() - start}
     return {
         "reason": None,
         "throughput": global_batch * done / elapsed,

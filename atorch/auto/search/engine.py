@@ -1,6 +1,8 @@
 """The fully automatic search: candidates -> cost model -> dry runs -> the winner."""
 
+import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -9,18 +11,28 @@ import torch
 from atorch.auto.context import ModelContext
 from atorch.auto.environment import DeviceContext
 from atorch.auto.plan import resolve_strategy
-from atorch.auto.registry import get_method
+from atorch.auto.registry import all_methods, get_method
 from atorch.auto.search import cost
 from atorch.auto.search.agree import from_rank0, max_over_ranks
 from atorch.auto.search.dryrun import dry_run
-from atorch.auto.search.report import FAILED, MEASURED, PRUNED, CandidateResult, SearchReport
-from atorch.auto.search.space import candidate_space
+from atorch.auto.search.report import FAILED, MEASURED, PRUNED, CandidateResult, SearchReport, size_text
+from atorch.auto.search.space import candidate_space, layout_space, layout_text
 from atorch.auto.strategy import Strategy
+from atorch.distributed.topology import DATA_PARALLEL_DIMS
 from atorch.errors import AtorchConfigError
 from atorch.utils.log import logger, quiet
 
 # Throughputs within this fraction of the best count as a tie, won by the simpler strategy.
 TIE_TOLERANCE = 0.03
+# A candidate is dominated by one that needs no more memory and is estimated this many times
+# faster. The step-time estimate uses nominal rates: it orders candidates, it does not predict
+# seconds, so only a wide gap prunes.
+DOMINANCE = 2.0
+# Why a candidate was pruned, as counted in the report (SearchReport.pruned).
+INELIGIBLE, SYMMETRIC, CONFIG_ERROR, OVER_BUDGET_RULE = "ineligible", "symmetric", "config_error", "over_budget"
+MEMORY_ONLY, DOMINATED, MAX_DRYRUNS, TIME_LIMIT = "memory_only", "dominated", "max_dryruns", "time_limit"
+DUPLICATE = "the same as another candidate on this model (a method in it would change nothing)"
+OVER_BUDGET = "estimated peak memory is over the memory budget beyond the estimate's error (x{:g})"
 
 
 @dataclass
@@ -32,24 +44,56 @@ class SearchOptions:
     dryrun_timeout: float = 300.0
     max_dryruns: int = 8
     verbose: bool = False
+    # The budget is the device's own memory (the user gave none): a dry run that did not run out
+    # of memory fits it, even where the peak tracker cannot follow the strategy.
+    budget_is_device_memory: bool = False
+    # estimated / measured peak memory, lowest and highest (see cost.ESTIMATE_RATIO)
+    estimate_ratio: tuple[float, float] = cost.ESTIMATE_RATIO
 
 
 def estimate_candidate(model, strategy, dp_size, state_factor, probe) -> tuple[cost.MemoryEstimate | None, str | None]:
-    """The estimate, or the config error that rules the candidate out. Any other failure leaves
-    the estimate unknown: the dry run will meet the failure and record it properly.
-    ``probe(strategy, flops)`` returns activation bytes and appends the forward's FLOPs."""
+    """The memory estimate of a data-parallel candidate over ``dp_size`` ranks, or the config
+    error that rules it out (see :func:`cost_candidate`); ``probe(strategy, flops)`` returns
+    activation bytes and appends the forward's FLOPs. ``atorch plan`` uses it."""
+    estimate, reason = cost_candidate(model, strategy, {"data": dp_size}, state_factor,
+                                      lambda s, flops, dims: (probe(s, flops), 0))
+    return (None if estimate is None else estimate.memory()), reason
+
+
+def cost_candidate(model, strategy, dims, state_factor, probe, device_type: str = "cpu",
+                   ) -> tuple[cost.StepCost | None, str | None]:
+    """The candidate's cost (memory and step time), or the config error that rules it out. Any
+    other failure leaves the cost unknown: the dry run will meet the failure and record it
+    properly. ``probe(strategy, flops, dims)`` returns activation bytes of one forward on a
+    per-data-rank batch of the layout ``dims``, appends its FLOPs and returns its tokens."""
     try:
         strategy = resolve_strategy(model, strategy)
     except AtorchConfigError as error:
         return None, str(error)
     try:
         flops: list = []
-        estimate = cost.estimate_memory(model, strategy, dp_size, state_factor, probe(strategy, flops))
-        estimate.forward_flops = flops[0] if flops else 0
-        return estimate, None
+        activations, tokens = probe(strategy, flops, dims)
+        return cost.build_cost(model, strategy, dims, state_factor, activations, flops[0] if flops else 0.0,
+                               tokens, device_type), None
     except Exception as error:  # noqa: BLE001
-        logger.debug("no memory estimate for %s: %s", strategy.opt_names, error)
+        logger.debug("no estimate for %s: %s", strategy.opt_names, error)
         return None, None
+
+
+def layout_dims(strategy: Strategy, world_size: int) -> dict[str, int]:
+    """parallel_mode's dims of a planned strategy (data over every rank when it has none)."""
+    mode = strategy.get("parallel_mode")
+    if mode is None or not mode.dims:
+        return {"data": world_size}
+    return dict(mode.dims)
+
+
+def _resolved(model: torch.nn.Module, strategy: Strategy) -> Strategy:
+    try:
+        with quiet():
+            return resolve_strategy(model, strategy)
+    except Exception:  # noqa: BLE001 - estimate_candidate records a config error; a dry run any other
+        return strategy
 
 
 def _say(options: SearchOptions, message: str) -> None:
@@ -74,42 +118,77 @@ def search(
     start = time.perf_counter()
     report = SearchReport(device_ctx.world_size, str(device_ctx.device.type), options.memory_budget)
     rng = torch.get_rng_state()
-    candidates = only if only is not None else candidate_space(device_ctx, excluded, included, base)
-
     probe_ctx = make_context(model)
-    dp_size = device_ctx.world_size  # the search's candidates are data parallel over every rank
     global_batch = int(probe_ctx.dataloader_args.get("batch_size", 1))
-    micro = _first_micro_batch(probe_ctx, dp_size)
+    counts: Counter = Counter()
+    ineligible: list = []
+    if only is not None:
+        candidates = only
+        counts["generated"] = len(only)
+    else:
+        layouts = None
+        if base is None:
+            layouts, ineligible = layout_space(model, device_ctx, global_batch, probe_ctx.model_input_format,
+                                               excluded, included)
+        candidates = candidate_space(device_ctx, excluded, included, base, layouts, counts)
+        counts["generated"] += len(ineligible)
     state_factor = cost.optimizer_state_factor(probe_ctx.optim_func, probe_ctx.optim_args)
+    micro_batches: dict[int, object] = {}  # per data-parallel size: the batch one data rank gets
 
-    def probe(strategy: Strategy, flops: list) -> int:
+    def probe(strategy: Strategy, flops: list, dims: dict[str, int]) -> tuple[int, int]:
+        dp_size = math.prod(size for name, size in dims.items() if name in DATA_PARALLEL_DIMS)
+        if dp_size not in micro_batches:
+            micro_batches[dp_size] = _first_micro_batch(probe_ctx, dp_size)
+        batch = micro_batches[dp_size]
         with quiet():
-            return cost.activation_bytes(model, strategy, micro, probe_ctx.model_input_format, probe_ctx.loss_func,
-                                         device_ctx, flops)
+            return cost.activation_bytes(model, strategy, batch, probe_ctx.model_input_format, probe_ctx.loss_func,
+                                         device_ctx, flops), cost.batch_tokens(batch)
 
+    budget, ratio = options.memory_budget, options.estimate_ratio
     results: list[tuple[Strategy, CandidateResult]] = []
+    for layout, why in ineligible:
+        results.append((layout.strategy(), CandidateResult(layout.strategy().to_dict(), reason=why,
+                                                           layout=layout.text, pruned_by=INELIGIBLE)))
+    timed_out = False  # the time_limit cut something short (the report's note says so only then)
+
     def out_of_time() -> bool:
         late = options.time_limit is not None and time.perf_counter() - start >= options.time_limit
         return from_rank0(late)
 
     for strategy in candidates:
-        if results and out_of_time():
-            results.append((strategy, CandidateResult(strategy.to_dict(), reason="not estimated: time_limit reached")))
+        # As planned for this model (a method that would change nothing on it is dropped), so the
+        # report names what would run, and candidates that are the same here run once.
+        strategy = _resolved(model, strategy)
+        dims = layout_dims(strategy, device_ctx.world_size)
+        text = layout_text(dims.items(), _layout_config(strategy))
+        if any(s == strategy for s, _ in results):
+            results.append((strategy, CandidateResult(strategy.to_dict(), reason=DUPLICATE, layout=text,
+                                                      pruned_by=SYMMETRIC)))
             continue
-        estimate, reason = estimate_candidate(model, strategy, dp_size, state_factor, probe)
+        if results and out_of_time():
+            timed_out = True
+            results.append((strategy, CandidateResult(strategy.to_dict(), reason="not estimated: time_limit reached",
+                                                      layout=text, pruned_by=TIME_LIMIT)))
+            continue
+        estimate, reason = cost_candidate(model, strategy, dims, state_factor, probe, device_ctx.device.type)
         # Decisions use agreed values only, so every rank prunes and runs the same candidates.
-        result = CandidateResult(strategy.to_dict(), reason=from_rank0(reason))
-        total = max_over_ranks(None if estimate is None else estimate.total)
+        result = CandidateResult(strategy.to_dict(), reason=from_rank0(reason), layout=text)
+        if result.reason is not None:
+            result.pruned_by = CONFIG_ERROR
+        memory = None if estimate is None else estimate.memory()
+        total = max_over_ranks(None if memory is None else memory.total)
         if total is not None:
             result.estimated_peak_bytes = int(total)
-            result.estimate_breakdown = estimate.as_dict()
-            step = cost.estimate_step_seconds(model, strategy, dp_size, estimate.forward_flops, device_ctx.device.type)
-            result.estimated_step_seconds = max_over_ranks(step)
-            if result.reason is None and result.estimated_peak_bytes > options.memory_budget:
-                result.reason = "estimated peak memory is over the memory budget"
+            result.estimate_breakdown = memory.as_dict()
+            result.estimated_step_seconds = max_over_ranks(estimate.seconds())
+            # Only what is over the budget beyond the estimate's known error is pruned: a
+            # candidate near the boundary is dry-run, and its measured peak decides.
+            if result.reason is None and cost.surely_over(result.estimated_peak_bytes, budget, ratio):
+                result.reason, result.pruned_by = OVER_BUDGET.format(ratio[1]), OVER_BUDGET_RULE
         results.append((strategy, result))
 
-    fits = {id(s) for s, r in results if r.reason is None}
+    # A twin that may not fit (near the boundary, or not estimated) prunes nothing.
+    fits = {id(s) for s, r in results if r.reason is None and cost.surely_fits(r.estimated_peak_bytes, budget, ratio)}
     for strategy, result in results:
         if result.reason is not None or only is not None:
             continue
@@ -118,16 +197,21 @@ def search(
             twin_entry = next(((s, r) for s, r in results if s == twin), None)
             if get_method(name).memory_only and twin_entry is not None and id(twin_entry[0]) in fits:
                 result.reason = f"{name} only saves memory, and the same strategy without it fits the budget"
+                result.pruned_by = MEMORY_ONLY
                 break
+    if only is None:
+        _prune_dominated(results)
 
-    # Dry runs go in order of estimated step time (fastest first, the simpler on a tie), so a
-    # time_limit cuts the least promising candidates.
+    # Dry runs go in order of estimated step time (fastest first, the simpler on a tie; those with
+    # no estimate last, since their probe failed), so max_dryruns and time_limit cut the least
+    # promising candidates.
     runnable = [(s, r) for s, r in results if r.reason is None]
-    runnable.sort(key=lambda item: (round(item[1].estimated_step_seconds or 0.0, 9), len(item[0])))
+    runnable.sort(key=lambda item: (item[1].estimated_step_seconds is None,
+                                    round(item[1].estimated_step_seconds or 0.0, 9), len(item[0])))
     to_run = runnable[: options.max_dryruns]
     for s, r in results:
         if r.reason is None and (s, r) not in to_run:
-            r.reason = f"not dry-run: max_dryruns={options.max_dryruns} reached"
+            r.reason, r.pruned_by = f"not dry-run: max_dryruns={options.max_dryruns} reached", MAX_DRYRUNS
     last_seconds = 0.0
     for index, (strategy, result) in enumerate(to_run, 1):
         # Rank 0's clock decides for everyone. A candidate starts only if one like the last fits
@@ -135,7 +219,9 @@ def search(
         remaining = None if options.time_limit is None else options.time_limit - (time.perf_counter() - start)
         go = from_rank0(remaining is None or remaining >= last_seconds)
         if not go:
+            timed_out = True
             result.reason = f"not dry-run: time_limit of {options.time_limit:g}s would be exceeded"
+            result.pruned_by = TIME_LIMIT
             continue
         stop_after = None if remaining is None else from_rank0(remaining)
         bar = "#" * index + "-" * (len(to_run) - index)
@@ -150,29 +236,64 @@ def search(
             continue
         result.throughput = outcome["throughput"]
         if outcome["timed_steps"] < options.timed_steps:
+            timed_out = True
             result.reason = f"time_limit: measured over {outcome['timed_steps']} of {options.timed_steps} steps"
-        result.measured_peak_bytes = outcome["measured_peak_bytes"]
-        if result.measured_peak_bytes is not None and result.measured_peak_bytes > options.memory_budget:
-            result.status, result.reason = FAILED, "measured peak memory is over the memory budget"
-        else:
-            result.status = MEASURED
+        result.measured_peak_bytes = peak = outcome["measured_peak_bytes"]
+        result.status, why = _judge_peak(peak, result.estimated_peak_bytes, options)
+        result.reason = why or result.reason
     for _, result in results:
         if result.status not in (MEASURED, FAILED):
             result.status = PRUNED
 
     report.candidates = [r for _, r in results]
+    report.generated = counts["generated"]
+    pruned = Counter(r.pruned_by or "other" for r in report.candidates if r.status == PRUNED)
+    pruned.update({rule: counts[rule] for rule in ("conflicting", "symmetric") if counts[rule]})
+    report.pruned = dict(pruned.most_common())
+    report.dry_run = sum(1 for r in report.candidates if r.status in (MEASURED, FAILED))
     winner = _pick_winner(results)
-    if winner is None and options.time_limit is not None and results and results[0][1].status != FAILED:
-        # Out of time before any measurement: the simplest candidate (plain data parallel) is
-        # the safe answer, and the report says it was not measured.
-        winner = results[0]
-        report.note = "time_limit reached before any candidate was measured: the simplest strategy is returned unmeasured"
+    if winner is None and timed_out and not any(r.throughput for _, r in results):
+        # Out of time before any measurement: the simplest candidate that fits the budget even by
+        # the estimate's lowest reading is the safe answer, and the report says it was not measured.
+        safe = [(s, r) for s, r in results
+                if r.status != FAILED and cost.surely_fits(r.estimated_peak_bytes, budget, ratio)]
+        winner = min(safe, key=lambda item: len(item[0]), default=None)
+        if winner is not None:
+            report.note = (f"time_limit of {options.time_limit:g}s reached before any candidate was measured: the "
+                           f"simplest strategy estimated to fit is returned unmeasured")
     report.winner = None if winner is None else [r for _, r in results].index(winner[1])
     report.search_seconds = time.perf_counter() - start
     if winner is None:
-        report.note = "no candidate could be measured within the limits"
+        report.note = _no_winner_note(results, options, timed_out)
     torch.set_rng_state(rng)  # the search does not change the user's random stream
     return (None if winner is None else winner[0]), report
+
+
+def _layout_config(strategy: Strategy) -> dict | None:
+    """The config of the strategy's layout method (its microbatches show in the layout's text)."""
+    for name, config in strategy.items():
+        if get_method(name).layouts is not None:
+            return config.model_dump()
+    return None
+
+
+def _prune_dominated(results) -> None:
+    """Prune a candidate when another one needs no more memory and is estimated at least
+    DOMINANCE times faster: the first fits wherever the second does, and the step-time estimate
+    is not that far off (docs/search.md)."""
+    live = [(s, r) for s, r in results if r.reason is None and r.estimated_step_seconds is not None
+            and r.estimated_peak_bytes is not None]
+    for _, result in live:
+        for other_strategy, other in live:
+            if other is result or other.reason is not None:
+                continue
+            if (other.estimated_peak_bytes <= result.estimated_peak_bytes
+                    and other.estimated_step_seconds * DOMINANCE < result.estimated_step_seconds):
+                names = " + ".join(other_strategy.opt_names) or "(plain)"
+                result.reason = (f"dominated by {names} ({other.layout}): no more memory and estimated "
+                                 f"{result.estimated_step_seconds / other.estimated_step_seconds:.1f}x faster")
+                result.pruned_by = DOMINATED
+                break
 
 
 def _first_micro_batch(ctx: ModelContext, dp_size: int):
@@ -180,6 +301,55 @@ def _first_micro_batch(ctx: ModelContext, dp_size: int):
 
     loader = build_dataloader(ctx.dataset, ctx.dataloader_args, dp_size, 0, ctx.distributed_sampler_cls, ctx.sampler_seed)
     return next(iter(loader))
+
+
+def _judge_peak(peak: int | None, estimate: int | None, options: SearchOptions) -> tuple[str, str | None]:
+    """MEASURED or FAILED (with why) for a dry run that ran: the winner must fit the budget."""
+    budget = options.memory_budget
+    if peak is not None and peak > budget:
+        return FAILED, f"measured peak memory {size_text(peak)} is over the memory budget"
+    if peak is None and not (options.budget_is_device_memory or cost.surely_fits(estimate, budget,
+                                                                                 options.estimate_ratio)):
+        # A run that did not run out of memory proves nothing about a budget below the device's.
+        return FAILED, (f"peak memory not measured (the tracker cannot follow this strategy, or time ran out) and "
+                        f"its estimate ({size_text(estimate)}) does not fit the budget beyond the estimate's error")
+    return MEASURED, None
+
+
+def _no_winner_note(results, options: SearchOptions, timed_out: bool) -> str:
+    """Why nothing came back: what was tried, the smallest candidate, and what would make it fit."""
+    from collections import Counter
+
+    budget = options.memory_budget
+    ran = [r for _, r in results if r.status in (MEASURED, FAILED)]
+    pruned = Counter(r.reason for _, r in results if r.status == PRUNED)
+    over = sum(1 for r in ran if r.measured_peak_bytes and r.measured_peak_bytes > budget)
+    tried = f"{len(ran)} dry-run ({over} measured over the budget), " + (", ".join(f"{n} pruned ({why})" for why, n in pruned.most_common())
+                                       or "none pruned")
+    over_budget = over or any(r.reason == OVER_BUDGET.format(options.estimate_ratio[1]) for _, r in results)
+    if timed_out and not any(r.throughput for r in ran):
+        lead = f"time_limit of {options.time_limit:g}s reached before any candidate was measured"
+    elif over_budget:
+        lead = f"no candidate fits the memory budget of {size_text(budget)} per rank"
+    else:
+        lead = f"no candidate ran within the memory budget of {size_text(budget)} per rank (see each reason)"
+    peaks = [(r.measured_peak_bytes, "measured", r) for r in ran if r.measured_peak_bytes]
+    if not peaks:  # nothing measured: the smallest estimate (which may be high by the estimate's error)
+        peaks = [(r.estimated_peak_bytes, "estimated", r) for _, r in results if r.estimated_peak_bytes]
+    if not peaks:
+        return f"{lead}; tried: {tried}; no candidate could be estimated or measured (see each reason)"
+    peak, how, smallest = min(peaks, key=lambda item: item[0])
+    names = " + ".join(smallest.names) or "(plain)"
+    # Memory-saving methods no candidate used (excluded, or not runnable here) could help.
+    unused = [s.name for s in all_methods() if s.memory_only and s.search_space
+              and not any(s.name in r.names for _, r in results)]
+    helps = "more ranks or a smaller batch per rank" + (f", or allowing {', '.join(unused)}" if unused else "")
+    if how == "estimated":
+        how = f"estimated (up to x{options.estimate_ratio[1]:g} high)"
+    fit = (f"it would fit a larger memory budget (>= {size_text(peak)})" if peak > budget
+           else "that is within the budget, but it did not run (see its reason)")
+    return (f"{lead}; tried: {tried}; the smallest is {names}, {how} peak {size_text(peak)}: {fit}; {helps} "
+            "would lower the peak")
 
 
 def _pick_winner(results):

@@ -34,6 +34,7 @@ def run_search(model, device_ctx, make_context, apply_strategy, kwargs, excluded
         dryrun_timeout=float(kwargs.get("dryrun_timeout", 300.0)),
         max_dryruns=int(kwargs.get("max_dryruns", 8)),
         verbose=bool(kwargs.get("verbose", False)),
+        budget_is_device_memory=kwargs.get("memory_budget") is None,
     )
     key = directory = None
     if kwargs.get("use_search_cache", True):
@@ -58,5 +59,9 @@ def run_search(model, device_ctx, make_context, apply_strategy, kwargs, excluded
     if kwargs.get("report_file") and env.rank() == 0:
         report.save(kwargs["report_file"])
     if winner is None:
-        logger.warning("the search found no strategy that runs: %s", report.note)
+        # Printed, not only in the report file: a job-wide problem (a loss that is not a scalar, a
+        # batch that does not fit anywhere) shows as the same failure on every candidate.
+        failures = sorted({c.reason for c in report.candidates if c.status == "failed" and c.reason})
+        logger.warning("the search found no strategy that runs: %s%s", report.note,
+                       "".join(f"\n  failed: {reason}" for reason in failures[:5]))
     return winner

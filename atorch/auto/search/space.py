@@ -1,12 +1,76 @@
-"""Candidate strategies, generated from the registry's search spaces."""
+"""Candidate strategies: layouts (how the ranks split into data x tensor x pipeline) from the
+registry's layout methods, each combined with the registry's search spaces."""
 
 import itertools
+import math
+from collections import Counter
+from dataclasses import dataclass
 
 from atorch.auto.environment import DeviceContext
 from atorch.auto.plan import plan_strategy
-from atorch.auto.registry import all_methods, get_method
-from atorch.auto.strategy import Strategy
+from atorch.auto.registry import LayoutJob, all_methods, get_method
+from atorch.auto.strategy import Strategy, make_config
 from atorch.errors import AtorchConfigError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """parallel_mode's dims (innermost first, data last) and the layout method that uses them
+    with its config; ``method`` None is data parallelism over every rank."""
+
+    dims: tuple[tuple[str, int], ...]
+    method: tuple[str, dict] | None = None
+
+    @property
+    def text(self) -> str:
+        return layout_text(self.dims, None if self.method is None else self.method[1])
+
+    def strategy(self) -> Strategy:
+        if self.method is None:
+            return Strategy()  # planning adds parallel_mode over every rank
+        return Strategy([("parallel_mode", {"dims": [list(d) for d in self.dims]}), self.method])
+
+
+def layout_text(dims, config: dict | None = None) -> str:
+    """``tensor=2 x data=2``, with ``microbatches=4`` when the layout's config sets them."""
+    text = " x ".join(f"{name}={size}" for name, size in dims if size > 1) or "1 rank"
+    if config and config.get("num_microbatches"):
+        text += f", microbatches={config['num_microbatches']}"
+    return text
+
+
+def layout_space(model, device_ctx: DeviceContext, global_batch: int | None = None,
+                 model_input_format: str | None = None, excluded=None, included=None,
+                 ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
+    """The layouts the search tries on ``model``, and those it cannot run with the reason.
+
+    Every layout method of the registry (a row with ``layouts``) lists the dims it takes on this
+    world size; the data dim gets the remaining ranks; the method's ``ineligible`` says whether
+    this model can run it there. Data parallelism over every rank comes first, unless a layout
+    method is in ``included`` (then only its layouts are tried); ``excluded`` ones are not tried.
+    """
+    excluded, included = set(excluded or []), set(included or [])
+    world = device_ctx.world_size
+    specs = [s for s in all_methods() if s.layouts is not None and s.name not in excluded]
+    forced = [s for s in specs if s.name in included]
+    eligible: list[Layout] = [] if forced else [Layout((("data", world),) if world > 1 else ())]
+    ineligible: list[tuple[Layout, str]] = []
+    if world == 1:
+        return eligible, ineligible
+    for spec in forced or specs:
+        for sizes, raw in spec.layouts(world):
+            taken = math.prod(sizes.values())
+            if world % taken:
+                continue
+            layout = Layout((*sizes.items(), ("data", world // taken)), (spec.name, dict(raw)))
+            data = world // taken
+            job = LayoutJob(dict(layout.dims), global_batch // data if global_batch else None, model_input_format)
+            why = None if spec.ineligible is None else spec.ineligible(model, make_config(spec.name, raw), job)
+            if why is None:
+                eligible.append(layout)
+            else:
+                ineligible.append((layout, why))
+    return eligible, ineligible
 
 
 def candidate_space(
@@ -14,48 +78,72 @@ def candidate_space(
     excluded: list[str] | None = None,
     included: list[str] | None = None,
     base: Strategy | None = None,
+    layouts: list[Layout] | None = None,
+    counts: Counter | None = None,
 ) -> list[Strategy]:
     """Every distinct strategy the search may try, simplest first.
 
-    Each searchable method (one with a ``search_space``) is off or one of its configs; methods in
+    Each of ``layouts`` (default: data parallel over every rank) is combined with each
+    searchable method (one with a ``search_space``) off or in one of its configs; methods in
     ``included`` are always on (their search space, or their default config); ``excluded`` ones
     never appear. With ``base`` (finetune_strategy), only ``base``'s methods appear, each always
-    on, with its loaded config or one from its search space. Combinations that conflict, or that
-    planning changes (a method this job cannot run), are left out or merged with their planned form.
+    on, with its loaded config or one from its search space, on ``base``'s layout. Combinations
+    that conflict, or that planning changes (a method this job cannot run), are left out or
+    merged with their planned form; ``counts`` (when given) counts them as ``conflicting`` and
+    ``symmetric``, and every combination as ``generated``.
     """
     excluded, included = set(excluded or []), set(included or [])
+    counts = Counter() if counts is None else counts
     for name in excluded | included:
         get_method(name)
     choices: list[tuple[str, list]] = []
     if base is not None:
         for name, config in base.items():
-            if name == "parallel_mode":
+            if name == "parallel_mode" or get_method(name).layouts is not None:
                 continue
             options = [config.model_dump(mode="json")] + [c for c in get_method(name).search_space]
             choices.append((name, _unique(options)))
+        kept = [(n, c) for n, c in base.items() if n == "parallel_mode" or get_method(n).layouts is not None]
+        layouts = [_FixedLayout(Strategy(kept))]
     else:
         for spec in all_methods():
-            if spec.name in excluded or spec.name == "parallel_mode":
+            if spec.name in excluded or spec.name == "parallel_mode" or spec.layouts is not None:
                 continue
             if spec.name in included:
                 choices.append((spec.name, list(spec.search_space) or [{}]))
             elif spec.search_space:
                 choices.append((spec.name, [None, *spec.search_space]))
-    parallel = base.get("parallel_mode") if base is not None else None
+        layouts = layouts or [Layout(())]
     seen: list[Strategy] = []
-    for combo in itertools.product(*(options for _, options in choices)):
-        methods = [(name, config) for (name, _), config in zip(choices, combo) if config is not None]
-        if parallel is not None:
-            methods.insert(0, ("parallel_mode", parallel))
-        try:
-            planned, _ = plan_strategy(Strategy(methods), device_ctx)
-        except AtorchConfigError:
-            continue
-        if any(name in excluded for name in planned.opt_names):
-            continue
-        if planned not in seen:
+    for layout in layouts:
+        for combo in itertools.product(*(options for _, options in choices)):
+            counts["generated"] += 1
+            methods = layout.strategy().items()
+            methods += [(name, config) for (name, _), config in zip(choices, combo) if config is not None]
+            try:
+                planned, _ = plan_strategy(Strategy(methods), device_ctx)
+            except AtorchConfigError:
+                counts["conflicting"] += 1
+                continue
+            if any(name in excluded for name in planned.opt_names):
+                counts["conflicting"] += 1
+                continue
+            if planned in seen:
+                # e.g. fsdp on a layout whose data dim is 1: planning drops it, leaving the bare layout
+                counts["symmetric"] += 1
+                continue
             seen.append(planned)
     return sorted(seen, key=len)
+
+
+@dataclass(frozen=True)
+class _FixedLayout:
+    """A loaded strategy's own layout (finetune_strategy keeps it)."""
+
+    fixed: Strategy
+
+    def strategy(self) -> Strategy:
+        return self.fixed
 
 
 def _unique(options: list) -> list:
