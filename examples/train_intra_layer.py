@@ -81,8 +81,7 @@ def main() -> None:
         if atorch.rank() == 0:
             line = f"step {step:3d} loss {loss.item() / atorch.world_size():.6f}"
             print(line + (f" serial {reference[step].item():.6f}" if reference else ""))
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    atorch.shutdown()  # every rank leaves together, so a finished job exits 0
 
 
 if __name__ == "__main__":

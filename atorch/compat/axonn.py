@@ -4,6 +4,7 @@ AxoNN code runs with its imports changed::
 
     from axonn import axonn as ax                  ->  from atorch.compat import axonn as ax
     from axonn.intra_layer import Linear, ...      ->  from atorch.intra_layer import Linear, ...
+    from axonn.intra_layer import optimize_communication  ->  from atorch.intra_layer import optimize_communication
 
     ax.init(1, 2, 2, mixed_precision=True)         # G_inter, G_data, G_intra_r (AxoNN's order)
     loader = ax.create_dataloader(dataset, 64, 8)  # global batch, micro batch
@@ -29,7 +30,9 @@ from atorch.data import create_dataloader as _create_dataloader
 from atorch.distributed.env import init_distributed
 from atorch.distributed.topology import Topology
 from atorch.errors import AtorchConfigError, NotSupportedError
+from atorch.intra_layer import overlap
 from atorch.intra_layer.grads import _group_of
+from atorch.intra_layer.overlap import optimize_communication  # noqa: F401 - AxoNN code may take it from here
 
 # AxoNN's module attributes, set by init.
 is_initialized = False
@@ -212,6 +215,7 @@ def run_batch(batch: torch.Tensor, labels: torch.Tensor, eval_mode: bool = False
         if not eval_mode:
             (loss * scale).backward()
     if not eval_mode:
+        overlap.flush()  # inside optimize_communication: reduce-scatters still in flight land in .grad first
         _reduce_gradients(topology, half)
     return total / count
 

@@ -17,6 +17,7 @@ from atorch.intra_layer.auto import auto_parallelize, parallelize_model
 from atorch.intra_layer.grads import clip_grad_norm_, install_gradient_sync, sync_gradients
 from atorch.intra_layer.grid import init
 from atorch.intra_layer.linear import Linear
+from atorch.intra_layer.overlap import optimize_communication
 from atorch.intra_layer.slices import drop, gather
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "gather",
     "init",
     "install_gradient_sync",
+    "optimize_communication",
     "parallelize_model",
     "sync_gradients",
 ]

@@ -23,12 +23,11 @@ Forward on one rank, with ``x`` of shape (..., in_features) (the sliced contract
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from atorch.distributed.topology import Topology
 from atorch.errors import AtorchConfigError, WorldSizeError
-from atorch.intra_layer import comm
+from atorch.intra_layer import comm, overlap
 from atorch.intra_layer.grid import Axis, current
 
 
@@ -174,9 +173,10 @@ class Linear(nn.Module):
         self._check_input(x, whole_in)
         if not getattr(self.weight, "intra_layer_sharded", False):
             self._mark_shard()
-        weight = comm.gather_shards(self.weight, self._depth)
+        # through overlap: inside optimize_communication the collectives may run asynchronously
+        weight = overlap.gathered_weight(self.weight, self._depth)
         h = comm.scatter(x, self._in) if whole_in else x
-        y = comm.reduce(F.linear(comm.copy(h, self._out), weight), self._in)
+        y = comm.reduce(overlap.linear(h, weight, self._out), self._in)
         bias = self.bias
         if whole_out:
             y = comm.gather(y, self._out)

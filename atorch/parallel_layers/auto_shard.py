@@ -153,36 +153,68 @@ class _SequenceInput:
         return self.forward(*args, **kwargs)
 
 
+class _SummedGradients:
+    """Replaces a module's forward so its replicated parameters enter the computation through
+    ``copy_to_region``: identity forward, gradient summed over the tensor group in backward.
+
+    Under sequence parallelism a norm's weight sees only this rank's tokens, so its gradient is
+    partial. Summing inside autograd, before the gradient reaches the parameter, holds under any
+    wrapper: a hook on the parameter object did not, since FSDP2 (fsdp, zero2) replaces the
+    parameters with its own when it shards them, and each tensor rank's norms then trained on its
+    own half of the tokens and drifted apart.
+    """
+
+    def __init__(self, forward, module: nn.Module, names: list[str], group):
+        self.forward, self.module, self.names, self.group = forward, module, names, group
+
+    def __call__(self, *args, **kwargs):
+        from atorch.parallel_layers.mappings import copy_to_region
+
+        params = self.module._parameters
+        # Whatever holds the names now: the parameters, or FSDP2's gathered ones inside its unit.
+        saved = {name: params[name] for name in self.names}
+        for name, param in saved.items():
+            params[name] = copy_to_region(param, self.group)
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            params.update(saved)
+
+
 def _sequence_parallel_grads(model: nn.Module, group) -> int:
     """Replicated parameters run on sequence chunks under sequence parallelism (the norms): each
-    rank's gradient covers its own tokens, so they are summed over the group as they arrive."""
-    import torch.distributed as dist
-
+    rank's gradient covers its own tokens, so they are summed over the group in backward (see
+    :class:`_SummedGradients`)."""
     count = 0
-    for param in model.parameters():
-        if getattr(param, "tensor_model_parallel", False) or not param.requires_grad:
+    for module in model.modules():
+        names = [name for name, param in module.named_parameters(recurse=False)
+                 if param.requires_grad and not getattr(param, "tensor_model_parallel", False)]
+        if not names:
             continue
-        param.sequence_parallel = True
-        param.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(p.grad, group=group))
-        count += 1
+        for name in names:
+            # Summed already: allreduce_sequence_parallel_grads must not sum it again.
+            module._parameters[name].sequence_parallel = False
+        module.forward = _SummedGradients(module.forward, module, names, group)
+        count += len(names)
     return count
 
 
 def _fork_rng_in_attention(model: nn.Module, plan, group) -> None:
-    """Attention runs on split heads: its dropout draws from the per-rank stream of the tracker,
-    seeded here from the default stream's seed (equal on the group's ranks) plus the rank.
-    Only modules whose forward holds nothing but the split heads are forked (Llama-style
-    attention, BERT's self-attention); GPT-2's attention also drops out its replicated output,
-    so it stays on the default stream (its head masks are then alike across ranks)."""
+    """Attention runs on split heads: its dropout draws from the per-rank stream of a tracker of
+    this model's own (attached to it, see atorch/parallel_layers/random.py), seeded here from the
+    default stream's seed (equal on the group's ranks) plus the rank in ``group``. Only modules
+    whose forward holds nothing but the split heads are forked (Llama-style attention, BERT's
+    self-attention); GPT-2's attention also drops out its replicated output, so it stays on the
+    default stream (its head masks are then alike across ranks)."""
     import torch.distributed as dist
 
-    from atorch.parallel_layers.random import MODEL_PARALLEL_RNG, ForkedForward, get_rng_state_tracker
+    from atorch.parallel_layers.random import MODEL_PARALLEL_RNG, ForkedForward, RNGStatesTracker, attach_tracker
 
-    tracker = get_rng_state_tracker()
-    if MODEL_PARALLEL_RNG not in tracker.states:
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(torch.initial_seed())))
-        rank = dist.get_rank(group) if group is not None and dist.is_initialized() else 0
-        tracker.add(MODEL_PARALLEL_RNG, seed + rank)
+    tracker = RNGStatesTracker()
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(torch.initial_seed())))
+    rank = dist.get_rank(group) if group is not None and dist.is_initialized() else 0
+    tracker.add(MODEL_PARALLEL_RNG, seed + rank)
+    attach_tracker(model, tracker)
     modules = dict(model.named_modules())
     attention = {name.rpartition(".")[0] for name, how in plan if name.endswith(("q_proj", "self.query"))}
     for name in attention:

@@ -64,7 +64,27 @@ class RNGStatesTracker:
 _TRACKER = RNGStatesTracker()
 
 
+TRACKER_ATTR = "_atorch_rng_tracker"
+
+
 def get_rng_state_tracker() -> RNGStatesTracker:
+    """The process-wide tracker (NxD's API): layers built by hand fork from it."""
+    return _TRACKER
+
+
+def attach_tracker(model: torch.nn.Module, tracker: RNGStatesTracker) -> None:
+    """Make ``tracker`` the one :func:`tracker_of` returns for ``model`` (and what wraps it)."""
+    setattr(model, TRACKER_ATTR, tracker)
+
+
+def tracker_of(model: torch.nn.Module | None) -> RNGStatesTracker:
+    """The tracker ``model``'s tensor-parallel regions draw from: its own when the tensor_parallel
+    method sharded it (looked up through wrappers such as DDP), else the process-wide one."""
+    if model is not None:
+        for module in model.modules():
+            tracker = module.__dict__.get(TRACKER_ATTR)
+            if tracker is not None:
+                return tracker
     return _TRACKER
 
 
