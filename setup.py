@@ -20,6 +20,9 @@ setup(
     entry_points={"console_scripts": ["atorch = atorch.cli.main:main"]},
     extras_require={
         "hf": ["transformers>=4.45"],
+        # atorch.integrations: AtorchTrainer (a transformers.Trainer) and AtorchStrategy (Lightning).
+        "transformers": ["transformers>=5.0"],
+        "lightning": ["lightning>=2.4"],
         "deepspeed": ["deepspeed>=0.14"],
         "fairscale": ["fairscale>=0.4.13"],
         # atorch.checkpoint.export writes safetensors when it is installed.
@@ -28,11 +31,13 @@ setup(
         "bench": ["matplotlib>=3.7", "accelerate>=0.30"],
         "transformer-engine": ["transformer-engine[pytorch]>=1.8"],
         "peft": ["peft>=0.10"],
+        # atorch.utils.steplog.TensorBoardWriter.
+        "tensorboard": ["tensorboard>=2.14"],
         # The suite runs the optional back-ends too, so CI installs them.
         "dev": [
             "pytest>=8", "pytest-timeout>=2.3", "ruff",
             "transformers>=4.45", "peft>=0.10", "deepspeed>=0.14", "fairscale>=0.4.13",
-            "safetensors>=0.4", "matplotlib>=3.7", "accelerate>=0.30",
+            "safetensors>=0.4", "matplotlib>=3.7", "accelerate>=0.30", "tensorboard>=2.14",
         ],
     },
 )

@@ -1,0 +1,163 @@
+"""AtorchStrategy: an atorch strategy as a Lightning ``Strategy``.
+
+Lightning keeps its loop (training_step, backward, optimizer and scheduler steps, gradient
+accumulation and clipping, logging); atorch applies the strategy to the LightningModule
+(``auto_accelerate``) before ``configure_optimizers`` builds the optimizer, so the optimizer holds
+the parameters as the strategy holds them (FSDP2 shards, tensor-parallel pieces). The data are
+sharded over the data-parallel ranks, and checkpoints go through ``atorch.checkpoint``, so a run
+saved under one strategy resumes under another.
+
+Example (``torchrun --nproc_per_node=2 examples/lightning_train.py``)::
+
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=AtorchStrategy(["fsdp", "checkpoint"]))
+    trainer.fit(module, dataloader)
+"""
+
+import os
+from typing import Any
+
+import torch
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+
+import atorch.checkpoint
+from atorch import parallel_state
+from atorch.auto import auto_accelerate, clip_grad_norm
+from atorch.integrations.common import TrainerStrategyError, check_applied, check_strategy, needs_atorch_norm
+
+# What a Lightning checkpoint holds beside the model and optimizer states (atorch saves those).
+_MODEL_KEYS = ("state_dict", "optimizer_states")
+
+
+def _loss_of(batch: Any, output: Any) -> Any:
+    return output
+
+
+def _plain(value: Any) -> Any:
+    """Lightning's checkpoint entries as plain data (atorch.checkpoint stores nothing else)."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return value
+
+
+class _AtorchPrecision(Precision):
+    """fp32 on Lightning's side (mixed precision is the strategy's method); clipping by the true
+    global norm where torch's clip_grad_norm_ would measure sharded pieces wrong."""
+
+    def __init__(self):
+        super().__init__()
+        self.atorch_strategy: "AtorchStrategy | None" = None
+
+    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        owner = self.atorch_strategy
+        if owner is None or owner.strategy is None or not needs_atorch_norm(owner.strategy):
+            return super().clip_grad_by_norm(optimizer, clip_val)
+        clip_grad_norm(owner.model, float(clip_val))
+
+
+class AtorchStrategy(DDPStrategy):
+    """``L.Trainer(strategy=AtorchStrategy(strategy))`` trains under an atorch strategy.
+
+    ``strategy``: a list of method names and ``(name, config)`` pairs, a strategy file path, JSON
+    text or a :class:`atorch.auto.Strategy` (the one applied is ``.strategy`` after ``fit``, and
+    is saved to ``save_strategy_to`` when given). Other keyword arguments go to Lightning's
+    ``DDPStrategy`` (process group backend, timeout, cluster environment). Mixed precision comes
+    from the strategy (``("amp_native", "bf16")``), so keep the Trainer's ``precision`` at
+    ``"32-true"``. ``configure_optimizers`` must return one optimizer (with schedulers if any).
+    Strategies that replace the step (pipelines, DeepSpeed engines, fp16 loss scaling) raise
+    :class:`atorch.integrations.common.TrainerStrategyError`.
+    """
+
+    strategy_name = "atorch"
+
+    def __init__(self, strategy: Any, save_strategy_to: str | None = None, **kwargs: Any):
+        precision = _AtorchPrecision()
+        super().__init__(precision_plugin=precision, **kwargs)
+        precision.atorch_strategy = self
+        if strategy is None:
+            raise TrainerStrategyError(
+                "AtorchStrategy applies a named strategy; search for one with atorch.auto_accelerate (or "
+                "AtorchTrainer) first and pass the saved file")
+        self._requested = check_strategy(strategy, "AtorchStrategy")
+        self._save_strategy_to = save_strategy_to
+        self.strategy = None
+        self._result = None
+        self._lr_scheduler_configs: list = []
+
+    def configure_ddp(self) -> None:
+        """Apply the strategy instead of wrapping the module in Lightning's DDP."""
+        flag = self.lightning_module.trainer._accelerator_connector._precision_flag
+        if flag not in (None, "32-true", "32", 32):
+            raise TrainerStrategyError(
+                f"AtorchStrategy takes mixed precision from the strategy, not from the Trainer (precision={flag!r}): "
+                "leave precision at '32-true' and add ('amp_native', 'bf16') to the strategy")
+        module = self.lightning_module
+        schedulers: dict = {}
+
+        def optim_func(params, **_):
+            # configure_optimizers runs once the strategy holds the parameters (sharded, split).
+            optimizers, schedulers["configs"] = _init_optimizers_and_lr_schedulers(module)
+            if len(optimizers) != 1:
+                raise TrainerStrategyError(f"AtorchStrategy runs one optimizer; configure_optimizers returned "
+                                           f"{len(optimizers)}")
+            return optimizers[0]
+
+        if self._save_strategy_to:
+            os.makedirs(os.path.dirname(os.path.abspath(self._save_strategy_to)), exist_ok=True)
+        status, result, applied = auto_accelerate(
+            self.model, optim_func, loss_func=_loss_of, load_strategy=self._requested,
+            find_unused_parameters=bool(self._ddp_kwargs.get("find_unused_parameters", False)),
+            save_strategy_to_file=self._save_strategy_to)
+        check_applied(result.args, result.loss_func is not _loss_of, "AtorchStrategy")
+        self.model, self._result, self.strategy = result.model, result, applied
+        self._lr_scheduler_configs = schedulers.get("configs", [])
+
+    def setup_optimizers(self, trainer) -> None:
+        # Built by configure_ddp, over the parameters as the strategy holds them.
+        self.optimizers, self.lr_scheduler_configs = [self._result.optim], self._lr_scheduler_configs
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Ranks of one tensor-parallel group read the same batches."""
+        if parallel_state.current_topology() is None:
+            return super().distributed_sampler_kwargs
+        return {"num_replicas": parallel_state.get_data_parallel_size(),
+                "rank": parallel_state.get_data_parallel_rank()}
+
+    # Checkpoints: atorch.checkpoint on every rank, whatever holds the parameters.
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the model and optimizer must be as the strategy holds them
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restored it, resharded for this strategy
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def optimizer_state(self, optimizer) -> dict[str, torch.Tensor]:
+        return {}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
+        rest = {key: _plain(value) for key, value in checkpoint.items() if key not in _MODEL_KEYS}
+        atorch.checkpoint.save(filepath, self.model, self._result.optim, extra=rest)
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        return atorch.checkpoint.load(checkpoint_path, self.model, self._result.optim)
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        pass  # loaded by load_checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        pass  # loaded by load_checkpoint

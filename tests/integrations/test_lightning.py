@@ -1,0 +1,79 @@
+"""AtorchStrategy on 2 gloo ranks: a LightningModule trains as under Lightning's own DDP.
+
+The same tiny GPT-2 (from a GPT2Config), data and seed; Lightning runs gradient accumulation (2),
+clipping at 1.0, a step-wise warmup schedule and validation. Global batch 8 in every run
+(tensor parallel: one data rank reading 4 x 2).
+"""
+
+import pytest
+
+from tests.helpers.compare import FP32_RTOL, assert_losses_close, assert_sensitive
+from tests.helpers.dist import run_distributed
+from tests.integrations.lightning_runs import BATCH, train_lightning
+
+pytest.importorskip("lightning")
+pytest.importorskip("transformers", minversion="5.0")
+
+TP2 = [("parallel_mode", ([("tensor", 2), ("data", 1)], None)), "tensor_parallel"]
+
+
+def _runs(tmp: str) -> dict:
+    return {
+        "reference": train_lightning(f"{tmp}/reference"),
+        "reference lr=0": train_lightning(f"{tmp}/lr0", lr=0.0),
+        "ddp": train_lightning(f"{tmp}/ddp", strategy=["parallel_mode"]),
+        "fsdp + checkpoint": train_lightning(f"{tmp}/fsdp", strategy=["fsdp", "checkpoint"]),
+        "tensor_parallel": train_lightning(f"{tmp}/tp", strategy=TP2, batch=2 * BATCH),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_distributed(_runs, 2, str(tmp_path_factory.mktemp("lightning")), timeout_s=400)
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp + checkpoint", "tensor_parallel"])
+def test_atorch_strategy_matches_lightning_ddp(runs, name):
+    reference, run = runs[0]["reference"], runs[0][name]
+    assert_losses_close(run["losses"], reference["losses"], FP32_RTOL)
+    assert abs(run["val_loss"] - reference["val_loss"]) <= FP32_RTOL * reference["val_loss"]
+    assert_sensitive(run["losses"], {"lr=0": runs[0]["reference lr=0"]["losses"]}, FP32_RTOL)
+    assert runs[1][name]["losses"] == run["losses"]
+
+
+def test_the_applied_strategy_is_reported(runs):
+    assert '"fsdp"' in runs[0]["fsdp + checkpoint"]["strategy"]
+    assert runs[0]["ddp"]["wrapped"] == "DistributedDataParallel"
+
+
+def _resume(tmp: str) -> dict:
+    return {
+        "lightning saved": train_lightning(f"{tmp}/ref", save_at=4),
+        "lightning resumed": train_lightning(f"{tmp}/ref2", resume=f"{tmp}/ref/step=4.ckpt"),
+        "saved": train_lightning(f"{tmp}/a", strategy=["parallel_mode"], save_at=4),
+        "resumed": train_lightning(f"{tmp}/b", strategy=["fsdp", "checkpoint"], resume=f"{tmp}/a/step=4.ckpt"),
+    }
+
+
+def test_a_run_saved_under_ddp_resumes_under_fsdp(tmp_path):
+    """Saved by ModelCheckpoint at the end of epoch 0 (step 4) under ddp, resumed under fsdp: the
+    same losses as Lightning's own DDP resumed from its own checkpoint. (Lightning resumes from an
+    epoch-end checkpoint with one more batch of epoch 0 and 5 optimizer steps, not on the
+    uninterrupted curve; AtorchStrategy resumes exactly as Lightning does.)"""
+    runs = run_distributed(_resume, 2, str(tmp_path), timeout_s=400)[0]
+    assert_losses_close(runs["saved"]["losses"], runs["lightning saved"]["losses"], FP32_RTOL)
+    assert_losses_close(runs["resumed"]["losses"], runs["lightning resumed"]["losses"], FP32_RTOL)
+    # Control: had the checkpoint not been loaded, the curve would start over.
+    assert_sensitive(runs["resumed"]["losses"], {"fresh start": runs["saved"]["losses"][:5]}, FP32_RTOL)
+    # An atorch checkpoint (a folder of shards), where Lightning's own is one file.
+    assert (tmp_path / "a" / "step=4.ckpt").is_dir() and (tmp_path / "ref" / "step=4.ckpt").is_file()
+
+
+def test_step_changing_strategies_are_refused():
+    from atorch.integrations.common import TrainerStrategyError
+    from atorch.integrations.lightning import AtorchStrategy
+
+    with pytest.raises(TrainerStrategyError, match="pipeline_parallel.*supports"):
+        AtorchStrategy(["pipeline_parallel"])
+    with pytest.raises(TrainerStrategyError, match="use_ds_zero"):
+        AtorchStrategy([("zero1", {"use_ds_zero": True})])
