@@ -7,7 +7,7 @@
 """
 
 from atorch.auto import Strategy, auto_accelerate
-from atorch.distributed.env import device, init_distributed, local_rank, rank, world_size
+from atorch.distributed.env import device, init_distributed, local_rank, rank, shutdown, world_size
 from atorch.errors import AtorchConfigError
 
 __version__ = "0.1.0"
@@ -20,5 +20,6 @@ __all__ = [
     "init_distributed",
     "local_rank",
     "rank",
+    "shutdown",
     "world_size",
 ]

@@ -82,6 +82,10 @@ def train(ckpt_dir: str, steps: int, save_every: int, strategy: str = "fsdp", ki
         step = ckpt.load(ckpt_dir, model, optim, scheduler, loader)["step"]
         if atorch.rank() == 0:
             print(f"attempt {attempt}: resumed from step {step}", flush=True)
+    if step >= steps:  # a finished job started again (by hand, or by torchrun after a late failure)
+        if atorch.rank() == 0:
+            print(f"done: the checkpoint in {ckpt_dir} is at step {step} of {steps}; nothing to train", flush=True)
+        return losses
 
     batches = iter(loader)
     while step < steps:
@@ -122,8 +126,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait before failing")
     args = parser.parse_args()
     train(args.ckpt_dir, args.steps, args.save_every, args.strategy, args.kill_at_step, args.timeout)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    atorch.shutdown()  # every rank leaves together, so a finished job exits 0
 
 
 if __name__ == "__main__":

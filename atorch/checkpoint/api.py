@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -16,6 +17,12 @@ from atorch.checkpoint import integrity, io, loading, ranks, runtime, state
 from atorch.errors import CheckpointError
 from atorch.utils.log import logger
 from atorch.utils.optim import unwrap_optimizer
+
+
+def _size(value: int) -> str:
+    from atorch.auto.search.report import size_text
+
+    return size_text(value)
 
 
 @contextlib.contextmanager
@@ -48,6 +55,26 @@ def _strategy_of(model: torch.nn.Module, optim) -> list[str]:
     return kinds
 
 
+def _plain_objects(optim, lr_scheduler, dataloader, extra) -> dict:
+    """What a save stores besides tensors, packed as plain data (:class:`CheckpointError` if it is not)."""
+    objects = {}
+    if lr_scheduler is not None:
+        objects["lr_scheduler"] = runtime.pack(lr_scheduler.state_dict(), "the lr scheduler's state")
+    if dataloader is not None:
+        if not hasattr(dataloader, "state_dict"):
+            raise CheckpointError(
+                f"dataloader {type(dataloader).__name__} has no state_dict(); pass the dataloader auto_accelerate "
+                "returned (it knows its position), or leave dataloader=None and keep the position in extra"
+            )
+        objects["dataloader"] = runtime.pack(dataloader.state_dict(), "the dataloader's state")
+    if extra is not None:
+        objects["extra"] = runtime.pack(extra, "extra")
+    _, _, scaler = state.split_optimizer(optim) if optim is not None else (None, None, None)
+    if scaler is not None:
+        objects["amp_scaler"] = runtime.pack(scaler.state_dict(), "the loss scaler's state")
+    return objects
+
+
 def save(path: str | os.PathLike, model: torch.nn.Module, optim: Any = None, lr_scheduler: Any = None,
          dataloader: Any = None, extra: Any = None) -> Path:
     """Save a training job's state to the directory ``path``; call it on every rank.
@@ -71,25 +98,15 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optim: Any = None, lr_
                                result.dataloader, extra={"step": step})
     """
     path = Path(path).absolute()
+    start = time.perf_counter()
+    logger.info("checkpoint: saving %s ...", path)
+    # Agreed before the first collective: an object refused on one rank only (an extra that differs
+    # by rank) raises on every rank, instead of leaving the others waiting in the save's collectives.
+    objects = ranks.agree(lambda: _plain_objects(optim, lr_scheduler, dataloader, extra))
     content = state.gather(model, optim)
-    objects = {}
-    if lr_scheduler is not None:
-        objects["lr_scheduler"] = runtime.pack(lr_scheduler.state_dict(), "the lr scheduler's state")
-    if dataloader is not None:
-        if not hasattr(dataloader, "state_dict"):
-            raise CheckpointError(
-                f"dataloader {type(dataloader).__name__} has no state_dict(); pass the dataloader auto_accelerate "
-                "returned (it knows its position), or leave dataloader=None and keep the position in extra"
-            )
-        objects["dataloader"] = runtime.pack(dataloader.state_dict(), "the dataloader's state")
-    if extra is not None:
-        objects["extra"] = runtime.pack(extra, "extra")
-    _, _, scaler = state.split_optimizer(optim) if optim is not None else (None, None, None)
-    if scaler is not None:
-        objects["amp_scaler"] = runtime.pack(scaler.state_dict(), "the loss scaler's state")
     if ranks.rank() == 0:
         content.update(objects)  # one copy is enough: every rank holds the same
-    content["rng"] = {str(ranks.rank()): runtime.pack(runtime.rng_state(), "the random state")}
+    content["rng"] = {str(ranks.rank()): runtime.pack(runtime.rng_state(model), "the random state")}
 
     save_id = ranks.from_rank0(uuid.uuid4().hex[:12])
     tmp = io.temporary_dir(path, save_id)
@@ -108,7 +125,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optim: Any = None, lr_
     # dcp.save returns once every rank's files and the metadata are written.
     files = integrity.record(tmp, ranks.on_rank0(lambda: io.list_files(tmp)))
     ranks.on_rank0(lambda: (io.write_manifest(tmp, info, files), io.publish(tmp, path, save_id)))
-    logger.info("checkpoint saved to %s", path)
+    logger.info("checkpoint saved to %s: %d files, %s, %.1fs", path, len(files),
+                _size(sum(entry["size"] for entry in files.values())), time.perf_counter() - start)
     return path
 
 
@@ -134,6 +152,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optim: Any = None, lr_
                                           result.lr_scheduler, result.dataloader)["step"]
     """
     path = Path(path).absolute()
+    start = time.perf_counter()
+    logger.info("checkpoint: loading %s ...", path)
     state.check_supported(model, optim)
     directory, manifest = ranks.agree(lambda: io.resolve(path))
     if len(set(ranks.gather(str(directory)))) > 1:
@@ -149,11 +169,13 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optim: Any = None, lr_
         raise _failed(f"reading {directory}", error, "nothing was changed") from error
     objects = ranks.agree(lambda: loading.unpack(plan))
     undo = []
-    ranks.agree(lambda: loading.apply_objects(objects, lr_scheduler, dataloader, plan.scaler, undo),
+    ranks.agree(lambda: loading.apply_objects(objects, lr_scheduler, dataloader, plan.scaler, undo, model),
                 on_failure=lambda: loading.run_undo(undo))
     ranks.agree(lambda: loading.apply_tensors(plan), on_failure=lambda: loading.run_undo(undo))
     if "rng" not in objects:
         logger.info("checkpoint: %s holds no random state for rank %d (saved by %d ranks); random streams "
                     "continue as they are", directory, ranks.rank(), manifest.get("world_size", 0))
-    logger.info("checkpoint loaded from %s", directory)
+    logger.info("checkpoint loaded from %s: %d files checked, %s, %.1fs", directory, len(manifest.get("files", {})),
+                _size(sum(entry.get("size", 0) for entry in manifest.get("files", {}).values())),
+                time.perf_counter() - start)
     return objects.get("extra")

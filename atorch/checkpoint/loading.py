@@ -110,8 +110,9 @@ def unpack(plan: Plan) -> dict:
     return objects
 
 
-def apply_objects(objects: dict, lr_scheduler, dataloader, scaler, undo: list) -> None:
-    """Load the objects' states, each after recording in ``undo`` how to put the old one back."""
+def apply_objects(objects: dict, lr_scheduler, dataloader, scaler, undo: list, model=None) -> None:
+    """Load the objects' states, each after recording in ``undo`` how to put the old one back
+    (the random streams into those ``model`` draws from)."""
     targets = {"dataloader": dataloader, "lr_scheduler": lr_scheduler, "amp_scaler": scaler}
     for name in _OBJECTS:
         target = targets[name]
@@ -124,9 +125,9 @@ def apply_objects(objects: dict, lr_scheduler, dataloader, scaler, undo: list) -
         except Exception as error:  # noqa: BLE001 - the job's own check (a global batch that differs, ...)
             raise CheckpointError(f"the saved {name} state does not fit this job: {error}; nothing was changed") from None
     if "rng" in objects:
-        before = runtime.rng_state()
-        undo.append(lambda: runtime.set_rng_state(before))
-        runtime.set_rng_state(objects["rng"])
+        before = runtime.rng_state(model)
+        undo.append(lambda: runtime.set_rng_state(before, model))
+        runtime.set_rng_state(objects["rng"], model)
 
 
 def run_undo(undo: list) -> None:

@@ -48,12 +48,13 @@ class PlainDataLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-def rng_state() -> dict:
-    """This process's random streams: python, numpy, torch (CPU and CUDA), the tensor-parallel tracker."""
-    from atorch.parallel_layers.random import get_rng_state_tracker
+def rng_state(model: torch.nn.Module | None = None) -> dict:
+    """This process's random streams: python, numpy, torch (CPU and CUDA), and the tensor-parallel
+    tracker ``model`` draws from (its own, or the process-wide one)."""
+    from atorch.parallel_layers.random import tracker_of
 
     state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "tracker": dict(get_rng_state_tracker().states)}
+             "tracker": dict(tracker_of(model).states)}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     try:
@@ -66,15 +67,14 @@ def rng_state() -> dict:
     return state
 
 
-def set_rng_state(state: dict) -> None:
-    """Restore what :func:`rng_state` returned."""
-    from atorch.parallel_layers.random import get_rng_state_tracker
+def set_rng_state(state: dict, model: torch.nn.Module | None = None) -> None:
+    """Restore what :func:`rng_state` returned (the tracker into the one ``model`` draws from)."""
+    from atorch.parallel_layers.random import tracker_of
 
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
-    tracker = get_rng_state_tracker()
-    tracker.states = dict(state["tracker"])
+    tracker_of(model).states = dict(state["tracker"])
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:

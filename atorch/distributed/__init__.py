@@ -1,6 +1,6 @@
 """Process groups and the process topology."""
 
-from atorch.distributed.env import device, init_distributed, local_rank, rank, world_size
+from atorch.distributed.env import device, init_distributed, local_rank, rank, shutdown, world_size
 from atorch.distributed.topology import DATA_PARALLEL_DIMS, KNOWN_DIMS, Topology
 
 __all__ = [
@@ -11,5 +11,6 @@ __all__ = [
     "init_distributed",
     "local_rank",
     "rank",
+    "shutdown",
     "world_size",
 ]

@@ -65,6 +65,33 @@ def _store_of_this_attempt(timeout: datetime.timedelta | None) -> dict:
             "world_size": int(os.environ["WORLD_SIZE"])}
 
 
+def shutdown() -> None:
+    """Leave the job in order, on every rank, at the end: wait for the device's work, meet the
+    other ranks, then destroy the process group.
+
+    A rank that tears down its connections while a peer is still sending (the last checkpoint's
+    collectives, a final all-reduce) can make gloo abort that peer at exit ("terminate called
+    without an active exception", SIGABRT), and torchrun then reports a finished job as failed,
+    or restarts it. The process groups are then released while the interpreter is whole:
+    ``destroy_process_group`` only drops torch's own references, and a group that outlives it
+    (held by a DDP reducer or a topology in a reference cycle) is destroyed at interpreter
+    finalization, where gloo's worker threads releasing their last tensors can abort the
+    process. Nothing to do in a single process.
+    """
+    import gc
+
+    if not dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dist.barrier()
+    dist.destroy_process_group()
+    from atorch import parallel_state
+
+    parallel_state.set_topology(None)
+    gc.collect()
+
+
 def rank() -> int:
     """This process's global rank (0 for a single process)."""
     if dist.is_initialized():

@@ -6,8 +6,11 @@ and 1,3). Methods receive the group or sub-mesh they need from this object; noth
 module-level global.
 """
 
+import contextlib
+import contextvars
+import datetime
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,6 +26,40 @@ TENSOR_SUB_DIMS = ("depth", "col", "row")
 # ("depth" exists only once the tensor dim is split: its ranks hold shards of the same weights but
 # see different samples.)
 DATA_PARALLEL_DIMS = ("data", "zero", "depth")
+
+_collective_timeout: contextvars.ContextVar[float | None] = contextvars.ContextVar("collective_timeout", default=None)
+
+
+@contextlib.contextmanager
+def collective_timeout(seconds: float | None) -> Iterator[None]:
+    """Inside this block, :meth:`Topology.build` gives every dim a process group of its own (never
+    the default group) whose collectives raise after ``seconds``; ``None`` changes nothing.
+
+    A dry run builds its candidate's topology inside one: a rank left waiting in the model's
+    all-reduce by a peer that failed alone raises within the candidate's timeout (gloo raises
+    cleanly, and the group is destroyed with the candidate) instead of waiting the job's.
+
+    Example::
+
+        with collective_timeout(30.0):
+            topology = Topology.build([("data", dist.get_world_size())])
+    """
+    token = _collective_timeout.set(seconds)
+    try:
+        yield
+    finally:
+        _collective_timeout.reset(token)
+
+
+def _timed_backend() -> tuple | None:
+    """A DeviceMesh backend override for the default backend with the block's timeout, or None."""
+    seconds = _collective_timeout.get()
+    if seconds is None:
+        return None
+    # DeviceMesh reads the timeout from the options; gloo takes any options, NCCL its own class.
+    options = dist.ProcessGroupNCCL.Options() if "nccl" in dist.get_backend() else dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=max(float(seconds), 0.001))
+    return (None, options)
 
 
 def resolve_dims(
@@ -82,6 +119,8 @@ class Topology:
         self.dims = dims
         self.mesh = mesh
         self.rank_order = rank_order
+        # The groups derived later (data-parallel flattening, the tensor split) share the mesh's timeout.
+        self._backend = _timed_backend() if mesh is not None else None
         # (row, col, depth) once split_tensor has run; the mesh with the sub-dims in place of tensor.
         self.tensor_split: tuple[int, int, int] | None = None
         self._split_mesh: DeviceMesh | None = None
@@ -118,7 +157,9 @@ class Topology:
         outer_first = list(reversed(dims))
         shape = [size for _, size in outer_first] or [1]
         names = tuple(name for name, _ in outer_first) or ("data",)
-        mesh = DeviceMesh(device_type, torch.tensor(order).reshape(shape), mesh_dim_names=names)
+        backend = _timed_backend()
+        mesh = DeviceMesh(device_type, torch.tensor(order).reshape(shape), mesh_dim_names=names,
+                          backend_override=None if backend is None else (backend,) * len(names))
         return cls(dims, mesh, None if rank_order is None else order)
 
     def _build_dp_mesh(self) -> DeviceMesh | None:
@@ -130,7 +171,8 @@ class Topology:
             return mesh[names[0]]
         # Flattening is how torch builds one group over several mesh dims (torchtitan does the
         # same for its data-parallel group); every rank takes part, so it happens once, here.
-        return mesh[tuple(names)]._flatten("data_parallel" if mesh is self.mesh else "data_parallel_3d")
+        return mesh[tuple(names)]._flatten("data_parallel" if mesh is self.mesh else "data_parallel_3d",
+                                           backend_override=self._backend)
 
     @property
     def _named_mesh(self) -> DeviceMesh | None:
@@ -165,7 +207,8 @@ class Topology:
         self.tensor_split = sizes
         if self.mesh is None or "tensor" not in self.mesh.mesh_dim_names:
             return  # every size is 1 (checked above)
-        self._split_mesh = self.mesh._unflatten("tensor", sizes[::-1], TENSOR_SUB_DIMS)
+        self._split_mesh = self.mesh._unflatten("tensor", sizes[::-1], TENSOR_SUB_DIMS, backend_override=None
+                                                if self._backend is None else dict.fromkeys(TENSOR_SUB_DIMS, self._backend))
         self._dp_mesh = self._build_dp_mesh()
 
     def size(self, name: str) -> int:

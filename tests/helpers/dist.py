@@ -35,7 +35,8 @@ def _worker(rank, world_size, port, fn, args, kwargs, queue):
     try:
         atorch.init_distributed(backend="gloo")
         result = fn(*args, **kwargs)
-        dist.barrier()  # leave together (see examples/train_llama.py)
+        if dist.is_initialized():  # fn may have left already (atorch.shutdown)
+            dist.barrier()  # leave together (see atorch.shutdown)
         # As bytes: tensors sent through a multiprocessing queue live in this process's shared
         # memory, which is gone once it exits.
         buffer = io.BytesIO()
