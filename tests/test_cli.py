@@ -27,6 +27,65 @@ def test_explain(tmp_path, capsys):
     assert "parallel_mode" in capsys.readouterr().out
 
 
+LONG_REASON = ("estimated 9.1GiB is over the 4.0GiB budget by more than the estimate's known error "
+               "(estimates run 0.8-1.25x the measured peak); add checkpoint or shard the optimizer state "
+               "with zero1, zero2 or fsdp")
+
+
+def _report_with_a_long_reason():
+    from atorch.auto.search.report import CandidateResult, SearchReport
+
+    breakdown = {"params": 2**30, "grads": 2**30, "optim_state": 2 * 2**30, "gathered": 0,
+                 "activations": 5 * 2**30, "step_temp": 0, "forward_flops": 1.5e12, "total": 9 * 2**30}
+    pruned = CandidateResult({"methods": [{"name": "parallel_mode"}]}, "pruned", 9 * 2**30, breakdown,
+                             reason=LONG_REASON)
+    measured = CandidateResult({"methods": [{"name": "parallel_mode"}, {"name": "fsdp"}]}, "measured",
+                               3 * 2**30, {**breakdown, "activations": 2**30, "total": 3 * 2**30},
+                               measured_peak_bytes=3 * 2**30, throughput=12.5)
+    return SearchReport(2, "cpu", 4 * 2**30, [pruned, measured], winner=1)
+
+
+def _words(text):
+    return " ".join(text.split())
+
+
+def test_report_table_shows_the_whole_reason_wrapped():
+    table = _report_with_a_long_reason().table()
+    # Before: cut at 70 characters ("...known error (es").
+    assert LONG_REASON in _words(table)
+    lines = table.splitlines()
+    reason_column = lines[1].index("reason")
+    assert max(len(line) for line in lines) <= reason_column + 72
+    # The reason continues on the next lines, under its column.
+    pruned_row = next(i for i, line in enumerate(lines) if " pruned " in line)
+    for continuation in lines[pruned_row + 1:pruned_row + 3]:
+        assert continuation[:reason_column].strip() == "" and continuation[reason_column] != " "
+
+
+def test_explain_shows_whole_reasons_and_the_estimate_breakdown(tmp_path, capsys):
+    _report_with_a_long_reason().save(tmp_path / "r.json")
+    assert main(["explain", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert LONG_REASON in _words(out)
+    # The terms the JSON holds, per candidate, in GiB (before: only the peak).
+    assert ("parallel_mode: params 1.0GiB, grads 1.0GiB, optim_state 2.0GiB, gathered 0B, activations 5.0GiB, "
+            "step_temp 0B, forward_flops 1.5e+12 FLOP, total 9.0GiB") in out
+    assert "parallel_mode + fsdp: params 1.0GiB" in out
+
+
+def test_explain_a_strategy_file(tmp_path, capsys):
+    # Before: SearchReport.__init__() got an unexpected keyword argument 'format'.
+    assert main(["explain", "strategies/zero2_checkpoint.json"]) == 0
+    out = capsys.readouterr().out
+    assert "a strategy file (4 methods)" in out and "whose Adam state does not" in out
+    assert out.index("1. parallel_mode") < out.index("2. amp_native") < out.index("3. checkpoint") < out.index("4. zero2")
+    assert "atorch validate strategies/zero2_checkpoint.json" in out
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"loss": [1.0]}))
+    assert main(["explain", str(other)]) == 2
+    assert "is not an atorch search report" in capsys.readouterr().err
+
+
 def test_plan_a_small_llama_on_64_simulated_ranks(tmp_path, capsys):
     pytest.importorskip("transformers")
     config = tmp_path / "tiny.json"
@@ -36,3 +95,125 @@ def test_plan_a_small_llama_on_64_simulated_ranks(tmp_path, capsys):
                  "--batch-size", "64", "--seq-len", "32"]) == 0
     out = capsys.readouterr().out
     assert "64 x cuda" in out and "parallel_mode + fsdp" in out and "fits" in out and "over budget" in out
+
+
+def _write(path, methods, **top):
+    path.write_text(json.dumps({"format": "atorch-strategy", "version": 1, **top, "methods": methods}))
+    return str(path)
+
+
+def test_validate_reports_every_problem_in_one_run(tmp_path, capsys):
+    path = _write(tmp_path / "bad.json", [
+        {"name": "parallel_mode"},
+        {"name": "amp_native", "config": {"dtyp": "bf16"}},
+        {"name": "zero3"},
+        {"name": "zero2"},
+        {"name": "fsdp"},
+        {"name": "zero1"},
+    ])
+    assert main(["validate", path]) == 2
+    err = capsys.readouterr().err
+    assert "5 problems" in err  # before: only the first (the typo) was reported
+    assert "method 2: invalid config for method 'amp_native': unknown field 'dtyp'" in err
+    assert "method 3: unknown method 'zero3'" in err
+    for pair in ("'fsdp' and 'zero2'", "'fsdp' and 'zero1'", "'zero1' and 'zero2'"):
+        assert f"methods {pair} cannot be used together" in err
+
+
+def test_validate_refuses_conflicts_at_any_world_size(tmp_path, capsys):
+    path = _write(tmp_path / "zero2_fsdp.json", [{"name": "zero2"}, {"name": "fsdp"}])
+    # Before: "valid" unless --world-size was given (one process drops both methods).
+    for flags in ([], ["--world-size", "1"], ["--world-size", "8"]):
+        assert main(["validate", path, *flags]) == 2
+        assert "'fsdp' and 'zero2' cannot be used together" in capsys.readouterr().err
+    assert main(["validate", "strategies/zero2_checkpoint.json"]) == 0
+    assert "add --world-size N" in capsys.readouterr().out
+
+
+def _gpt2_config(tmp_path):
+    path = tmp_path / "gpt2.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 96, "n_positions": 64, "n_embd": 32,
+                                "n_layer": 2, "n_head": 4}))
+    return str(path)
+
+
+def test_validate_against_a_model_names_the_fix(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    gpt2 = _gpt2_config(tmp_path)
+    assert main(["validate", "strategies/llama_fsdp_bf16_checkpoint.json", "--hf-config", gpt2]) == 2
+    err = capsys.readouterr().err
+    # Both classes are reported (fsdp's and checkpoint's), each with the fix, and the file's own
+    # description says it is for Llama models.
+    assert "2 problems" in err and "Llama-family models only" in err
+    assert 'write "atorch_wrap_cls": [] to use the model\'s repeated blocks' in err
+    assert "write \"wrap_class\": [] to use the model's repeated blocks, found by structure (here ['GPT2Block'])" in err
+    # Without a model, the file itself is valid; the generic files are valid against GPT-2.
+    assert main(["validate", "strategies/llama_fsdp_bf16_checkpoint.json"]) == 0
+    assert main(["validate", "strategies/lora_fsdp_bf16.json", "--hf-config", gpt2, "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "against the model" in out and "GPT2Block" in out
+
+
+LLAMA = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2752,
+         "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 16}
+
+
+def _plan_rows(out):
+    """strategy label -> the GiB figures of its row."""
+    rows = {}
+    for line in out.splitlines():
+        if line.startswith("parallel_mode"):
+            label, _, rest = line.partition("  ")
+            rows[label.strip()] = [float(x) for x in rest.split()[:-1] if x.replace(".", "").isdigit()]
+    return rows
+
+
+def test_plan_model_states_only_with_units_assumptions_and_progress(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    config = tmp_path / "llama.json"
+    config.write_text(json.dumps(LLAMA))
+    # Before: --batch-size was required, figures were bare "G", and nothing said what was assumed.
+    assert main(["plan", "--hf-config", str(config), "--world-size", "8", "--dtype", "bf16", "--optimizer", "sgd"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "model states only" in out and "all figures: GiB per rank" in out
+    assert "weights          2 B/param (bfloat16)" in out
+    assert "optimizer state  0 B/param (SGD: 0 states x 2 B)" in out
+    assert "[4/4] fsdp" in captured.err  # progress
+    rows = _plan_rows(out)
+    assert set(rows) == {"parallel_mode", "parallel_mode + zero1", "parallel_mode + zero2", "parallel_mode + fsdp"}
+    vocab_matrices = 2 * LLAMA["vocab_size"] * LLAMA["hidden_size"]  # embedding + lm_head
+    assert rows["parallel_mode"][0] * 2**30 > 2 * vocab_matrices  # in bf16: 2 B each
+    assert rows["parallel_mode + fsdp"][0] == pytest.approx(rows["parallel_mode"][0] / 8, abs=0.01)
+
+
+def test_plan_deepspeed_accounting_reads_as_deepspeeds_estimator(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    config = tmp_path / "llama.json"
+    config.write_text(json.dumps(LLAMA))
+    assert main(["plan", "--hf-config", str(config), "--world-size", "8", "--accounting", "deepspeed"]) == 0
+    out = capsys.readouterr().out
+    assert "accounting: deepspeed" in out and "fp32 master 4" in out
+    from tests.auto.test_model_states import HAS_DEEPSPEED, _deepspeed_estimators, _llama
+
+    if not HAS_DEEPSPEED:
+        pytest.skip("DeepSpeed is not installed: its estimator is the reference")
+    zero2, _ = _deepspeed_estimators()
+    total = sum(p.numel() for p in _llama().parameters())
+    expected = zero2(total, 8, 1, cpu_offload=False)[1] / 2**30
+    states = _plan_rows(out)["parallel_mode + zero2"][4]
+    assert abs(states / expected - 1) < 0.05, (states, expected)
+
+
+def test_explain_plot_draws_a_report_and_refuses_a_strategy_file(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    report = _report_with_a_long_reason()
+    report.candidates[1].estimated_step_seconds = 0.02
+    report.save(tmp_path / "r.json")
+    image = tmp_path / "r.png"
+    assert main(["explain", str(tmp_path / "r.json"), "--plot", str(image)]) == 0
+    assert f"plot written to {image}" in capsys.readouterr().out
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and image.stat().st_size > 10_000
+    assert main(["explain", "strategies/zero2_checkpoint.json", "--plot", str(tmp_path / "s.png")]) == 2
+    assert "--plot draws search reports" in capsys.readouterr().err
+    assert not (tmp_path / "s.png").exists()

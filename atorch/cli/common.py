@@ -1,0 +1,33 @@
+"""What the ``atorch`` commands share: a model built on the meta device from a flag."""
+
+import importlib
+import json
+
+import torch
+
+
+def add_model_flags(parser, required: bool = False) -> None:
+    source = parser.add_mutually_exclusive_group(required=required)
+    source.add_argument("--hf-config", help="a transformers config as JSON (with model_type)")
+    source.add_argument("--model", help="module:function returning the model (built on the meta device)")
+
+
+def build_model(args, dtype: torch.dtype | None = None) -> torch.nn.Module | None:
+    """The model named by ``--hf-config`` or ``--model``, on the meta device (no memory, no
+    download); None when neither was given."""
+    if getattr(args, "hf_config", None):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with open(args.hf_config) as file:
+            config = AutoConfig.for_model(**json.load(file))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    elif getattr(args, "model", None):
+        module_name, _, function = args.model.partition(":")
+        if not function:
+            raise ValueError("--model takes module:function (a function that returns the model)")
+        with torch.device("meta"):
+            model = getattr(importlib.import_module(module_name), function)()
+    else:
+        return None
+    return model.to(dtype) if dtype is not None else model

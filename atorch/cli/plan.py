@@ -1,0 +1,153 @@
+"""``atorch plan``: per-rank memory of candidate strategies for a model and world size, with no
+hardware (the model is built on the meta device). Every figure is in GiB and the assumptions
+behind it (bytes per parameter, activation dtype) are printed above the table."""
+
+import sys
+
+import torch
+
+from atorch.cli.common import add_model_flags, build_model
+
+GIB = 2**30
+
+
+def add_parser(sub) -> None:
+    plan = sub.add_parser("plan", help="estimate per-rank memory (GiB) of candidate strategies, with no hardware")
+    add_model_flags(plan, required=True)
+    plan.add_argument("--world-size", type=int, required=True)
+    plan.add_argument("--memory", default="80GiB", help="memory per device (80GiB, 40GB, bytes)")
+    plan.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    plan.add_argument("--batch-size", type=int, default=None,
+                      help="global batch (sequences); leave out for model states only (weights, gradients, optimizer)")
+    plan.add_argument("--seq-len", type=int, default=2048)
+    plan.add_argument("--dtype", default=None,
+                      help="atorch accounting: the model's dtype (default float32); deepspeed: the 16-bit dtype (default bf16)")
+    plan.add_argument("--optimizer", default="AdamW", help="a torch.optim class (AdamW, Adam, SGD, Adagrad, ...)")
+    plan.add_argument("--accounting", default="atorch", choices=["atorch", "deepspeed"],
+                      help="atorch: what atorch's methods hold; deepspeed: DeepSpeed's mixed-precision estimator")
+    plan.add_argument("--exclude", nargs="*", default=["fp8", "module_replace"])
+    plan.set_defaults(func=cmd_plan)
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def cmd_plan(args) -> int:
+    from atorch.auto.model_states import Assumptions
+    from atorch.auto.search import cost
+
+    memory = cost.parse_bytes(args.memory)
+    assumptions = Assumptions.make(args.accounting, args.dtype, args.optimizer)
+    if args.batch_size is not None and args.batch_size % args.world_size:
+        raise ValueError(f"--batch-size {args.batch_size} does not divide over {args.world_size} ranks")
+    _progress("atorch plan: building the model on the meta device ...")
+    model = build_model(args, assumptions.dtype if args.accounting == "atorch" else None)
+    params = sum(p.numel() for p in model.parameters())
+    if args.batch_size is None:
+        rows = _model_state_rows(model, args, assumptions)
+        question = "model states only (give --batch-size and --seq-len to add activations)"
+    else:
+        rows = _candidate_rows(model, args, assumptions, memory)
+        question = f"global batch {args.batch_size} x {args.seq_len} tokens"
+    print(f"{params / 1e9:.2f}B parameters, {args.world_size} x {args.device} with {args.memory} each, {question}")
+    for line in assumptions.describe():
+        print(line)
+    if args.batch_size is not None:
+        print(f"  activations      measured on one per-rank micro-batch ({args.batch_size // args.world_size} x "
+              f"{args.seq_len}) in the model's dtype ({str(next(model.parameters()).dtype).removeprefix('torch.')}); "
+              "bfloat16/float16 under amp_native; checkpointing keeps the block inputs")
+    print(f"  sharding over {args.world_size} data-parallel ranks: zero1 divides optimizer state, zero2 also "
+          "gradients, fsdp also weights")
+    print("all figures: GiB per rank")
+    _print_table(rows, args.batch_size is not None, memory)
+    return 0
+
+
+def _model_state_rows(model, args, assumptions) -> list:
+    from atorch.auto.model_states import model_states
+    from atorch.auto.registry import method_names
+
+    shardings = [None] + [s for s in ("zero1", "zero2", "fsdp") if s in method_names() and s not in args.exclude]
+    rows = []
+    for index, sharding in enumerate(shardings, 1):
+        _progress(f"[{index}/{len(shardings)}] {sharding or 'ddp'}")
+        states = model_states(model, sharding if args.world_size > 1 else None, args.world_size, assumptions)
+        names = ["parallel_mode"] + ([sharding] if sharding else [])
+        rows.append((names, {**states, "activations": None}, None))
+    return rows
+
+
+def _candidate_rows(model, args, assumptions, memory) -> list:
+    from atorch.auto.environment import DeviceContext
+    from atorch.auto.model_states import model_states
+    from atorch.auto.search import cost
+    from atorch.auto.search.engine import estimate_candidate
+    from atorch.auto.search.space import candidate_space
+    from atorch.utils.log import quiet
+
+    def device_ctx(device: str):
+        capability = (9, 0) if device == "cuda" else None
+        return DeviceContext(args.world_size, min(args.world_size, 8), torch.device(device), capability, memory)
+
+    micro = args.batch_size // args.world_size
+    batch = {"input_ids": torch.zeros(micro, args.seq_len, dtype=torch.long, device="meta")}
+    batch["labels"] = batch["input_ids"]
+    # Module rewrites run as on the CPU; autocast does nothing on meta tensors, so amp_native's
+    # activation term counts its activations in autocast's dtype (atorch/methods/amp_native.py).
+    meta_ctx = device_ctx("cpu")
+
+    def probe(strategy, flops):
+        return cost.activation_bytes(model, strategy, batch, "unpack_dict", None, meta_ctx, flops)
+
+    candidates = list(candidate_space(device_ctx(args.device), excluded=args.exclude))
+    rows = []
+    for index, strategy in enumerate(candidates, 1):
+        _progress(f"[{index}/{len(candidates)}] {' + '.join(strategy.opt_names) or '(plain)'}")
+        with quiet():
+            est, reason = estimate_candidate(model, strategy, args.world_size, assumptions.state_factor, probe)
+        if est is None:
+            rows.append((strategy.opt_names, None, reason or "no estimate: a method cannot run on the meta device"))
+            continue
+        terms = {"params": est.params, "grads": est.grads, "optim_state": est.optim_state, "gathered": est.gathered,
+                 "activations": est.activations, "step_temp": est.step_temp}
+        if assumptions.accounting == "deepspeed":
+            sharding = next((s for s in ("zero1", "zero2", "fsdp") if s in strategy.opt_names), None)
+            terms.update(model_states(model, sharding, args.world_size, assumptions))
+        rows.append((strategy.opt_names, terms, None))
+    return rows
+
+
+def _peak(terms: dict) -> int:
+    # As cost.MemoryEstimate.total: gradients are freed before forward, so they share a term with
+    # the activations.
+    return (terms["params"] + terms["optim_state"] + terms["gathered"]
+            + max(terms["activations"], terms["grads"] + terms.get("step_temp", 0)))
+
+
+def _print_table(rows, with_activations: bool, memory: int) -> None:
+    header = ["weights", "grads", "optim", "gathered", "states"] + (["acts", "peak"] if with_activations else [])
+
+    def order(row):
+        names, terms, _ = row
+        if terms is None:
+            return (2, len(names), 0)
+        total = _peak(terms) if with_activations else _states(terms)
+        return (0 if total <= memory else 1, len(names), total)
+
+    print(f"{'strategy':58} " + " ".join(f"{h:>9}" for h in header) + "  verdict")
+    for names, terms, reason in sorted(rows, key=order):
+        label = " + ".join(names) or "(plain)"
+        if terms is None:
+            print(f"{label:58} {reason}")
+            continue
+        cells = [terms["params"], terms["grads"], terms["optim_state"], terms["gathered"], _states(terms)]
+        if with_activations:
+            cells += [terms["activations"], _peak(terms)]
+        total = cells[-1]
+        verdict = "fits" if total <= memory else "over budget"
+        print(f"{label:58} " + " ".join(f"{c / GIB:9.2f}" for c in cells) + f"  {verdict}")
+
+
+def _states(terms: dict) -> int:
+    return terms["params"] + terms["grads"] + terms["optim_state"] + terms["gathered"]
