@@ -110,11 +110,7 @@ def main() -> None:
                 print(f"step {step:3d}  loss {value.item():.4f}", flush=True)
     if atorch.rank() == 0:
         print(f"done: {args.steps} steps in {time.perf_counter() - start:.1f}s", flush=True)
-    if torch.distributed.is_initialized():
-        # Leave together: a rank that tears down its connections while a peer is still
-        # finishing can make gloo abort at exit.
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    atorch.shutdown()  # every rank leaves together, so a finished job exits 0
 
 
 if __name__ == "__main__":

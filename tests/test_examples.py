@@ -49,3 +49,19 @@ def test_strategy_file_on_one_process(tmp_path):
     _losses(out)
     assert Strategy.load(saved).opt_names == ["amp_native", "checkpoint"]
     assert "world size 1" in out
+
+
+def test_gpt2_walkthrough_accumulates_logs_and_resumes(tmp_path):
+    """examples/finetune_gpt2.py, the job docs/user_guide.md walks: a ready strategy file, gradient
+    accumulation, the step line, a checkpoint the next run resumes from."""
+    pytest.importorskip("transformers")
+    job = TORCHRUN + ["--nproc_per_node", "2", "examples/finetune_gpt2.py", "--strategy",
+                      "strategies/fsdp_bf16_checkpoint.json", "--accumulation", "2", "--log-every", "2",
+                      "--ckpt-dir", str(tmp_path / "ck")]
+    out = _run(job + ["--steps", "10"])
+    _losses(out)
+    assert re.search(r"step +10  loss \d+\.\d+  [\d.]+ samples/s  peak [\d.]+[GMK]iB", out), out
+    assert "checkpoint saved to" in out
+    resumed = _run(job + ["--steps", "12"])
+    steps = [int(s) for s in re.findall(r"step +(\d+)  loss", resumed)]
+    assert steps == [12], resumed  # steps 11 and 12 only: it went on from the checkpoint

@@ -9,6 +9,7 @@ import torch
 from atorch.auto import loop
 from atorch.auto.context import ModelContext, move_to_device
 from atorch.auto.environment import DeviceContext
+from atorch.auto.inputs import check_job
 from atorch.auto.order import applied_order
 from atorch.auto.plan import plan_strategy, resolve_strategy
 from atorch.auto.registry import Stage, get_method
@@ -25,18 +26,30 @@ class AutoAccelerateResult(collections.namedtuple(
     __slots__ = ()
 
     def backward(self, loss) -> None:
-        """``loss.backward()``, or what replaces it under this strategy (atorch/auto/loop.py)."""
-        loop.backward(self.args, self.optim, loss)
+        """``loss.backward()``, or what replaces it under this strategy (atorch/auto/loop.py).
+
+        With ``gradient_accumulation_steps=n`` the loss is divided by ``n`` and gradients are
+        reduced over the data-parallel ranks only on every ``n``-th call.
+        """
+        loop.backward(self.args, self.optim, loss, self.model)
 
     def step(self) -> None:
-        """``optim.step()`` then ``optim.zero_grad()``, or what replaces them under this strategy."""
+        """``optim.step()`` then ``optim.zero_grad()``, or what replaces them under this strategy;
+        under gradient accumulation, only once the ``n``-th backward has run."""
         loop.step(self.args, self.optim)
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether the gradients are complete (the last backward ended an accumulation): clip
+        or log gradient norms only then."""
+        return loop.sync_gradients(self.args)
 
 _KNOWN_KWARGS = {
     "verbose", "find_unused_parameters", "sampler_seed", "ignore_dryrun_on_load_strategy",
     # the search (docs/search.md)
     "memory_budget", "time_limit", "report_file", "max_dryruns", "dryrun_warmup_steps", "dryrun_steps",
     "dryrun_timeout", "use_search_cache", "search_cache_dir",
+    "gradient_accumulation_steps",
 }
 
 
@@ -82,7 +95,9 @@ def auto_accelerate(
       ``ignore_dryrun_on_load_strategy``; for the search: ``memory_budget`` (bytes or "70GiB"),
       ``time_limit`` (seconds), ``report_file``, ``max_dryruns``, ``dryrun_warmup_steps``,
       ``dryrun_steps``, ``dryrun_timeout``, ``use_search_cache`` (default True: the same model,
-      data, optimizer, world and device reuse the last search's result), ``search_cache_dir``.
+      data, optimizer, world and device reuse the last search's result), ``search_cache_dir``;
+      ``gradient_accumulation_steps`` (default 1): ``result.backward`` / ``result.step`` accumulate
+      that many micro-batches per optimizer step, reducing gradients once (docs/user_guide.md).
 
     Example::
 
@@ -105,6 +120,8 @@ def auto_accelerate(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     verbose = bool(kwargs.get("verbose", False))
+    accumulation = loop.accumulation_steps(kwargs.get("gradient_accumulation_steps", 1))
+    check_job(model, dataset, dataloader_args, optim_func)
     device_ctx = DeviceContext.detect()
     job = dict(
         optim_func=optim_func,
@@ -150,6 +167,7 @@ def auto_accelerate(
         logger.info("applied %s", strategy)
     if save_strategy_to_file is not None and env.rank() == 0:
         strategy.save(save_strategy_to_file)
+    loop.setup_accumulation(ctx.args, ctx.model, accumulation)
     result = AutoAccelerateResult(
         ctx.model, ctx.optim, ctx.dataloader, ctx.loss_func, ctx.prepare_input, ctx.lr_scheduler, ctx.args
     )
