@@ -15,7 +15,8 @@ def add_parser(sub) -> None:
     plan = sub.add_parser("plan", help="estimate per-rank memory (GiB) of candidate strategies, with no hardware")
     add_model_flags(plan, required=True)
     plan.add_argument("--world-size", type=int, required=True)
-    plan.add_argument("--memory", default="80GiB", help="memory per device (80GiB, 40GB, bytes)")
+    plan.add_argument("--memory", default=None,
+                      help="memory per device (80GiB, 40GB, bytes); default 80GiB, or the profile's with --search")
     plan.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     plan.add_argument("--batch-size", type=int, default=None,
                       help="global batch (sequences); leave out for model states only (weights, gradients, optimizer)")
@@ -26,6 +27,12 @@ def add_parser(sub) -> None:
     plan.add_argument("--accounting", default="atorch", choices=["atorch", "deepspeed"],
                       help="atorch: what atorch's methods hold; deepspeed: DeepSpeed's mixed-precision estimator")
     plan.add_argument("--exclude", nargs="*", default=["fp8", "module_replace"])
+    plan.add_argument("--search", action="store_true",
+                      help="rank the search's layouts (data x tensor x pipeline) and methods by estimated step time "
+                           "on --profile's hardware")
+    plan.add_argument("--profile", default=None,
+                      help="with --search: a hardware profile name (atorch/auto/search/profiles) or JSON file")
+    plan.add_argument("--top", type=int, default=10, help="with --search: how many layouts to print")
     plan.set_defaults(func=cmd_plan)
 
 
@@ -37,6 +44,12 @@ def cmd_plan(args) -> int:
     from atorch.auto.model_states import Assumptions
     from atorch.auto.search import cost
 
+    if args.search:
+        from atorch.cli.plan_search import cmd_plan_search
+
+        return cmd_plan_search(args)
+    if args.memory is None:
+        args.memory = "80GiB"
     memory = cost.parse_bytes(args.memory)
     assumptions = Assumptions.make(args.accounting, args.dtype, args.optimizer)
     if args.batch_size is not None and args.batch_size % args.world_size:

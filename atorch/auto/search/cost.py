@@ -215,6 +215,9 @@ class StepCost:
     # (n-1)/n of that per rank
     data_sync: dict = field(default_factory=dict)
     comms: list = field(default_factory=list)  # other communication not overlapped with compute
+    # a hardware profile (atorch/auto/search/profiles): its rates replace the nominal ones, and a
+    # group that spans nodes uses its inter-node link
+    profile: Any = None
 
     @property
     def dp_size(self) -> int:
@@ -252,21 +255,38 @@ class StepCost:
                               self.forward_flops)
 
     def seconds(self) -> float:
-        """compute (x the pipeline bubble) + communication not overlapped with it, at nominal rates."""
-        rates = _FLOPS.get(self.device_type, _FLOPS["cpu"])
-        compute = self.forward_flops * self.passes * self.compute_share / rates[self.compute_dtype]
-        bandwidth = _BANDWIDTH.get(self.device_type, _BANDWIDTH["cpu"])
-        latency = _LATENCY.get(self.device_type, _LATENCY["cpu"])
+        """compute (x the pipeline bubble) + communication not overlapped with it, at nominal
+        rates, or at the rates of ``profile`` when one is set."""
+        if self.profile is None:
+            rate = _FLOPS.get(self.device_type, _FLOPS["cpu"])[self.compute_dtype]
+        else:
+            rate = self.profile.rate(self.compute_dtype)
+        compute = self.forward_flops * self.passes * self.compute_share / rate
         piece = self.param_bytes() * self.weight_scale * self.split * self.stage_share
         trainable = self.param_bytes(True) * self.weight_scale * self.split * self.stage_share
         dp = self.dp_size
         moved = (self.data_sync.get("params", 0) * piece + self.data_sync.get("grads", 0) * trainable)
+        bandwidth, latency = self._link(DATA_PARALLEL_DIMS)
         comm = moved * (dp - 1) / dp / bandwidth + (latency if dp > 1 and moved else 0.0)
         element = 2 if self.compute_dtype == "half" else 4
         for c in self.comms:
             if self.size(c.dim) > 1:
+                bandwidth, latency = self._link((c.dim,))
                 comm += c.elements * element * c.factor / bandwidth + c.messages * latency
         return compute * (1 + self.bubble) + comm
+
+    def _link(self, dims) -> tuple[float, float]:
+        """(bandwidth, latency) of a group over ``dims``: nominal by device, or the profile's link
+        for the ranks the group spans (``self.dims`` run innermost first, ranks node by node)."""
+        if self.profile is None:
+            return (_BANDWIDTH.get(self.device_type, _BANDWIDTH["cpu"]), _LATENCY.get(self.device_type, _LATENCY["cpu"]))
+        span, reached = 1, 1
+        for name, size in self.dims.items():
+            span *= size
+            if name in dims:
+                reached = span
+        link = self.profile.link(reached)
+        return link.bandwidth, link.latency
 
 
 def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int], state_factor: float,

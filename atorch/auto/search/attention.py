@@ -1,0 +1,33 @@
+"""Attention as a fused (flash) kernel saves it, for activation probes on the meta device.
+
+On meta (and CPU) tensors ``scaled_dot_product_attention`` runs its math form, which saves the
+seq x seq attention probabilities for backward; on an H100 PyTorch picks the flash kernel, which
+saves only q, k, v, the output and a log-sum-exp per row. Under :class:`FlashAttentionProbe` an
+unmasked (or causal) SDPA call runs ``aten._scaled_dot_product_flash_attention`` instead, so the
+saved bytes a probe counts are the flash kernel's; its FLOPs are counted the same. A call with an
+explicit mask runs as before (the flash kernel takes none).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+
+class FlashAttentionProbe(TorchFunctionMode):
+    """Route SDPA calls without a mask to the flash kernel's op (it has meta and autograd rules)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        bound = {**dict(zip(names, args)), **kwargs}
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        if bound.get("attn_mask") is not None or q.dim() != 4:
+            return func(*args, **kwargs)
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: the kernel takes as many k/v heads as q
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, bound.get("dropout_p", 0.0), bool(bound.get("is_causal", False)), scale=bound.get("scale"))
+        return out[0]

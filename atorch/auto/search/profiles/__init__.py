@@ -1,0 +1,102 @@
+"""Named hardware profiles: the rates of a machine we do not have, each number with its source.
+
+A profile is a JSON file in this folder (``h100_80gb.json``): peak dense matmul FLOP/s per compute
+dtype, the share of that peak a training matmul sustains, memory per device, GPUs per node, and
+the bandwidth (bytes/s, each way) and latency (s) of one collective step inside a node and between
+nodes. ``sources`` says where every number comes from (a datasheet, or "assumption").
+The cost model (:meth:`atorch.auto.search.cost.StepCost.seconds`) uses a profile's rates in place
+of its nominal ones, and ``atorch plan --search --profile NAME`` plans with it::
+
+    >>> from atorch.auto.search.profiles import load_profile
+    >>> h100 = load_profile("h100_80gb")
+    >>> h100.peak("half") / 1e12
+    989.4
+"""
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from atorch.errors import AtorchConfigError
+
+FOLDER = Path(__file__).resolve().parent
+_REQUIRED = ("matmul_flops", "sustained_fraction", "memory", "gpus_per_node", "intra_node", "inter_node", "sources")
+
+
+class UnknownProfileError(AtorchConfigError):
+    """A hardware profile name (or file) that does not exist or does not read as a profile."""
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes/s each way, per GPU
+    latency: float  # seconds per collective or send
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    matmul_flops: dict  # peak dense FLOP/s by dtype: {"bf16": ..., "fp32": ...}
+    sustained_fraction: float
+    memory: int  # bytes per device
+    gpus_per_node: int
+    intra_node: Link
+    inter_node: Link
+    sources: dict = field(default_factory=dict)
+    description: str = ""
+    attention: str = "math"  # "flash": activations of attention as a flash kernel saves them
+
+    def peak(self, compute_dtype: str) -> float:
+        """Peak dense FLOP/s for the cost model's compute dtype ("half" or "fp32")."""
+        return self.matmul_flops["bf16" if compute_dtype == "half" else "fp32"]
+
+    def rate(self, compute_dtype: str) -> float:
+        """Sustained FLOP/s: the peak times ``sustained_fraction``."""
+        return self.peak(compute_dtype) * self.sustained_fraction
+
+    def link(self, span: int) -> Link:
+        """The link a group uses whose members lie within ``span`` consecutive ranks (ranks are
+        placed node by node): NVLink when they share a node, InfiniBand otherwise."""
+        return self.intra_node if span <= self.gpus_per_node else self.inter_node
+
+
+def profile_names() -> list[str]:
+    """The profiles in the repository, by name."""
+    return sorted(p.stem for p in FOLDER.glob("*.json"))
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """The profile named ``name_or_path`` (a file stem in this folder) or read from that path;
+    :class:`UnknownProfileError` lists the known names when there is none."""
+    path = Path(name_or_path)
+    if not (path.suffix == ".json" and path.is_file()):
+        path = FOLDER / f"{name_or_path}.json"
+    if not path.is_file():
+        raise UnknownProfileError(f"no hardware profile {name_or_path!r}; known profiles: {', '.join(profile_names())} "
+                                  f"(or give the path of a profile JSON file like those in {FOLDER})")
+    from atorch.auto.search.cost import parse_bytes
+
+    data = json.loads(path.read_text())
+    missing = [key for key in _REQUIRED if key not in data]
+    if missing:
+        raise UnknownProfileError(f"hardware profile {path} lacks {missing}")
+    unsourced = [key for key in ("matmul_flops", "memory", "intra_node.bandwidth", "inter_node.bandwidth")
+                 if not any(s == key or s.startswith(key + ".") for s in data["sources"])]
+    if unsourced:
+        raise UnknownProfileError(f"hardware profile {path} gives no source for {unsourced} (write it in 'sources')")
+    fraction = float(data["sustained_fraction"])
+    if not 0 < fraction <= 1 or not all(math.isfinite(v) and v > 0 for v in data["matmul_flops"].values()):
+        raise UnknownProfileError(f"hardware profile {path}: rates must be positive and sustained_fraction in (0, 1]")
+    return HardwareProfile(
+        name=data.get("name", path.stem),
+        matmul_flops={k: float(v) for k, v in data["matmul_flops"].items()},
+        sustained_fraction=fraction,
+        memory=parse_bytes(data["memory"]),
+        gpus_per_node=int(data["gpus_per_node"]),
+        intra_node=Link(float(data["intra_node"]["bandwidth"]), float(data["intra_node"]["latency"])),
+        inter_node=Link(float(data["inter_node"]["bandwidth"]), float(data["inter_node"]["latency"])),
+        sources=dict(data["sources"]),
+        description=data.get("description", ""),
+        attention=data.get("attention", "math"),
+    )

@@ -1,0 +1,107 @@
+"""``atorch plan --search``: hardware profiles, and layouts ranked on one with no hardware."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from atorch.auto.search import cost
+from atorch.auto.search.profiles import UnknownProfileError, load_profile, profile_names
+from atorch.auto.strategy import Strategy
+from atorch.cli.main import main
+
+
+def test_h100_profile_loads_with_a_source_for_every_number():
+    h100 = load_profile("h100_80gb")
+    assert "h100_80gb" in profile_names()
+    assert h100.peak("half") == pytest.approx(989.4e12) and h100.peak("fp32") == pytest.approx(66.9e12)
+    assert h100.memory == 80 * 2**30 and h100.gpus_per_node == 8
+    assert h100.link(8) is h100.intra_node and h100.link(16) is h100.inter_node
+    assert h100.intra_node.bandwidth > h100.inter_node.bandwidth
+    for key in ("matmul_flops.bf16", "matmul_flops.fp32", "memory", "intra_node.bandwidth", "inter_node.bandwidth",
+                "sustained_fraction"):
+        assert h100.sources[key], key
+    assert "nvidia.com" in h100.sources["matmul_flops.bf16"]
+
+
+def test_unknown_profile_names_the_known_ones(tmp_path):
+    with pytest.raises(UnknownProfileError, match="known profiles: .*h100_80gb"):
+        load_profile("h100_40gb")
+    unsourced = tmp_path / "mine.json"
+    unsourced.write_text(json.dumps({"matmul_flops": {"bf16": 1e15, "fp32": 1e14}, "sustained_fraction": 0.5,
+                                     "memory": "1GiB", "gpus_per_node": 8, "sources": {},
+                                     "intra_node": {"bandwidth": 1e11, "latency": 1e-6},
+                                     "inter_node": {"bandwidth": 1e10, "latency": 1e-5}}))
+    with pytest.raises(UnknownProfileError, match="no source"):
+        load_profile(str(unsourced))
+
+
+def test_step_time_uses_the_profile_only_when_given():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    nominal = cost.build_cost(model, Strategy([("parallel_mode", {})]), {"data": 16}, 2.0, 0, 1e12, 64, "cuda")
+    before = nominal.seconds()
+    assert before == pytest.approx(cost.estimate_step_seconds(model, Strategy([("parallel_mode", {})]), 16, 1e12,
+                                                              "cuda"))
+    h100 = load_profile("h100_80gb")
+    nominal.profile = h100
+    # compute at the sustained bf16/fp32 rate; 16 data ranks span two nodes: InfiniBand
+    compute = 1e12 * 3 / h100.rate("fp32")
+    grads = sum(p.numel() * 4 for p in model.parameters())
+    sync = 2 * grads * 15 / 16 / h100.inter_node.bandwidth + h100.inter_node.latency
+    assert nominal.seconds() == pytest.approx(compute + sync)
+    one_node = cost.build_cost(model, Strategy([("parallel_mode", {})]), {"data": 8}, 2.0, 0, 1e12, 64, "cuda")
+    one_node.profile = h100
+    assert one_node.seconds() < nominal.seconds()
+
+
+def _tiny_llama(tmp_path, layers=4, hidden=256):
+    pytest.importorskip("transformers")
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps({"model_type": "llama", "vocab_size": 1024, "hidden_size": hidden,
+                                  "intermediate_size": 4 * hidden, "num_hidden_layers": layers,
+                                  "num_attention_heads": 4, "num_key_value_heads": 4}))
+    return str(config)
+
+
+def test_plan_search_ranks_layouts_and_finds_a_split_where_data_parallel_does_not_fit(tmp_path, capsys):
+    import argparse
+
+    from atorch.cli.common import build_model
+    from atorch.cli.plan_search import plan_search
+
+    config = _tiny_llama(tmp_path)
+    model = build_model(argparse.Namespace(hf_config=config, model=None), torch.float32)
+    # The model's fp32 weights, gradients and AdamW state alone are ~190 MiB: on 8 ranks with 60
+    # MiB each, plain data parallelism cannot fit; splitting (tensor, pipeline) or sharding can.
+    budget = 60 * 2**20
+    result = plan_search(model, 8, 8, 64, load_profile("h100_80gb"), 2.0, ["fp8", "module_replace"], budget)
+    rows = [r for r in result["rows"] if "memory" in r]
+    fitting = [r for r in rows if r["fits"]]
+    assert result["counts"]["over memory"] and len(fitting) >= 3
+    assert all(r["memory"] <= budget for r in fitting) and all(r["memory"] > budget for r in rows if not r["fits"])
+    assert all(0 < r["mfu"] <= 1 for r in rows)
+    plain = [r for r in rows if r["layout"] == "data=8" and not {"zero1", "zero2", "fsdp"} & set(r["names"])]
+    assert plain and not any(r["fits"] for r in plain)
+    assert any(r["layout"].startswith(("tensor=", "pipeline=")) for r in fitting)
+
+    assert main(["plan", "--search", "--profile", "h100_80gb", "--memory", "60MiB", "--hf-config", config,
+                 "--world-size", "8", "--batch-size", "8", "--seq-len", "64", "--top", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "ESTIMATED" in out and "over memory" in out and f"top {len(fitting)} of {len(fitting)}" in out
+    table = [line for line in out.splitlines() if re.match(r"\s+\d+\s{2}\S", line)]
+    seconds = [float(line.split()[-3]) for line in table]
+    assert len(table) == len(fitting) and seconds == sorted(seconds)
+    assert any("tensor=" in line or "pipeline=" in line for line in table)
+
+
+def test_plan_search_says_why_nothing_fits_and_needs_a_profile(tmp_path, capsys):
+    config = _tiny_llama(tmp_path, layers=2, hidden=128)
+    assert main(["plan", "--search", "--profile", "h100_80gb", "--memory", "1MiB", "--hf-config", config,
+                 "--world-size", "2", "--batch-size", "2", "--seq-len", "32"]) == 0
+    assert "nothing fits 0.0 GiB per rank; the smallest is" in capsys.readouterr().out
+    assert main(["plan", "--search", "--hf-config", config, "--world-size", "2", "--batch-size", "2"]) == 2
+    assert "needs --profile NAME (known: h100_80gb" in capsys.readouterr().err
+    assert main(["plan", "--search", "--profile", "tpu", "--hf-config", config, "--world-size", "2",
+                 "--batch-size", "2"]) == 2
+    assert "known profiles: h100_80gb" in capsys.readouterr().err
