@@ -150,6 +150,7 @@ def search(
         results.append((layout.strategy(), CandidateResult(layout.strategy().to_dict(), reason=why,
                                                            layout=layout.text, pruned_by=INELIGIBLE)))
     timed_out = False  # the time_limit cut something short (the report's note says so only then)
+    estimate_seconds: dict[int, float] = {}  # id(strategy) -> seconds its estimate took (agreed)
 
     def out_of_time() -> bool:
         late = options.time_limit is not None and time.perf_counter() - start >= options.time_limit
@@ -170,6 +171,7 @@ def search(
             results.append((strategy, CandidateResult(strategy.to_dict(), reason="not estimated: time_limit reached",
                                                       layout=text, pruned_by=TIME_LIMIT)))
             continue
+        began = time.perf_counter()
         estimate, reason = cost_candidate(model, strategy, dims, state_factor, probe, device_ctx.device.type)
         # Decisions use agreed values only, so every rank prunes and runs the same candidates.
         result = CandidateResult(strategy.to_dict(), reason=from_rank0(reason), layout=text)
@@ -177,6 +179,13 @@ def search(
             result.pruned_by = CONFIG_ERROR
         memory = None if estimate is None else estimate.memory()
         total = max_over_ranks(None if memory is None else memory.total)
+        # Rank 0 has waited in that agreement for the slowest rank's estimate: its clock is the candidate's.
+        estimate_seconds[id(strategy)] = from_rank0(time.perf_counter() - began)
+        if result.reason is None and estimate_seconds[id(strategy)] > options.dryrun_timeout:
+            # dryrun_timeout bounds the whole candidate: a forward this slow cannot finish a dry run.
+            result.status, result.seconds = FAILED, estimate_seconds[id(strategy)]
+            result.reason = (f"its memory-estimate forward took {result.seconds:.1f}s, over dryrun_timeout="
+                             f"{options.dryrun_timeout:g}s (raise dryrun_timeout if this step is meant to be slow)")
         if total is not None:
             result.estimated_peak_bytes = int(total)
             result.estimate_breakdown = memory.as_dict()
@@ -228,7 +237,8 @@ def search(
         _say(options, f"search [{bar}] {index}/{len(to_run)}: dry-running {' + '.join(strategy.opt_names) or '(plain)'}")
         with quiet():
             outcome = dry_run(model, strategy, make_context, apply, options.warmup_steps, options.timed_steps,
-                              options.dryrun_timeout, global_batch, stop_after_s=stop_after)
+                              options.dryrun_timeout - estimate_seconds.get(id(strategy), 0.0), global_batch,
+                              stop_after_s=stop_after)
         last_seconds = outcome["seconds"]
         result.seconds = outcome["seconds"]
         if outcome["reason"] is not None:
