@@ -294,14 +294,16 @@ def explain_trace_failure(model: nn.Module, error: BaseException) -> str:
     where = f" at {frame.filename}:{frame.lineno} ({(frame.line or '').strip()!r})" if frame else ""
     text = str(cause)
     if "data-dependent" in text or "GuardOnDataDependent" in type(cause).__name__ or "DataDependent" in text:
-        construct = "Python control flow on a tensor's value (an `if`/`while`/`break` on data)"
-    else:
-        construct = f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}"
-    return (f"PipelineModel cannot trace {type(model).__name__}'s forward{where}: {construct}. torch.export captures "
-            "one program for every input of this shape, so the forward must not branch on tensor values. Fix: "
-            "make that branch independent of the data (torch.where, or a flag fixed at construction), or split "
-            "by module names with a layout adapter (atorch.pipeline.register_layout) or an nn.Sequential of "
-            "the pieces")
+        return (f"PipelineModel cannot trace {type(model).__name__}'s forward{where}: Python control flow on a "
+                "tensor's value (an `if`/`while`/`break` on data). torch.export captures one program for every "
+                "input of this shape, so the forward must not branch on tensor values. Fix: make that branch "
+                "independent of the data (torch.where, or a flag fixed at construction), or split by module names "
+                "with a layout adapter (atorch.pipeline.register_layout) or an nn.Sequential of the pieces")
+    construct = f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}"
+    return (f"PipelineModel cannot trace {type(model).__name__}'s forward{where}: it raised {construct} when "
+            "called with the traced inputs only. Fix: name every input the forward needs in input_names (and, "
+            "for pipeline_eligibility, in example_inputs), or split by module names with a layout adapter "
+            "(atorch.pipeline.register_layout)")
 
 
 def _user_frame(error: BaseException):

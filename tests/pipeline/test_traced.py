@@ -301,3 +301,26 @@ def test_a_7b_model_on_meta_splits_into_8_stages_without_memory():
     assert sum(p.numel() for p in model.parameters()) > 6.5e9
     assert pipeline_eligibility(model, 8) is None
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 4 * 2**20  # KiB: far below the model's 27 GB
+
+
+def test_encoder_decoder_is_refused_with_the_fix_and_its_logits_wrapper_traces():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=4,
+                      use_cache=False)
+    reason = pipeline_eligibility(T5ForConditionalGeneration(config), 2)
+    assert "T5ForConditionalGeneration is an encoder-decoder model" in reason and "decoder_input_ids" in reason
+
+    class LogitsOnly(torch.nn.Module):  # the fix the message gives
+        def __init__(self):
+            super().__init__()
+            self.t5 = T5ForConditionalGeneration(config)
+
+        def forward(self, input_ids, decoder_input_ids):
+            return self.t5(input_ids=input_ids, decoder_input_ids=decoder_input_ids, use_cache=False).logits
+
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    assert pipeline_eligibility(LogitsOnly(), 2, {"input_ids": ids, "decoder_input_ids": ids}) is None
+    # with one of its two inputs the forward raises: the reason says to name every input
+    reason = pipeline_eligibility(LogitsOnly(), 2, {"input_ids": ids})
+    assert "raised TypeError" in reason and "name every input the forward needs" in reason
