@@ -37,7 +37,7 @@ setup(
         "dev": [
             "pytest>=8", "pytest-timeout>=2.3", "ruff",
             "transformers>=4.45", "peft>=0.10", "deepspeed>=0.14", "fairscale>=0.4.13",
-            "safetensors>=0.4", "matplotlib>=3.7", "accelerate>=0.30", "tensorboard>=2.14",
+            "safetensors>=0.4", "matplotlib>=3.7", "accelerate>=0.30", "tensorboard>=2.14", "lightning>=2.4",
         ],
     },
 )

@@ -183,9 +183,11 @@ class AtorchTrainer(Trainer):
     def _shard_data_over_data_parallel(self) -> None:
         """Accelerate shards batches over every process; under tensor parallelism the ranks of one
         tensor group must read the same batch, so shard over the data-parallel ranks instead."""
+        if parallel_state.current_topology() is None:  # one process, or no parallel_mode: nothing to change
+            return
         size, rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
         accelerator = self.accelerator
-        if parallel_state.current_topology() is None or size == accelerator.num_processes:
+        if size == accelerator.num_processes:
             return
         from accelerate.data_loader import prepare_data_loader
 
