@@ -46,6 +46,7 @@ def export(path: str | os.PathLike, model: torch.nn.Module) -> Path:
     target = path / ("model.safetensors" if safetensors else "model.pt")
     if not dist.is_initialized() or dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
+        count = len(weights)  # save_pretrained may empty the dict it is given
         if hasattr(user, "save_pretrained") and hasattr(user, "config"):
             # transformers drops tied copies and writes config.json beside the weights.
             user.save_pretrained(path, state_dict=weights, safe_serialization=safetensors)
@@ -60,7 +61,7 @@ def export(path: str | os.PathLike, model: torch.nn.Module) -> Path:
             else:
                 torch.save(plain, partial)
             os.replace(partial, target)
-        logger.info("exported %d tensors to %s", len(weights), target)
+        logger.info("exported %d tensors to %s", count, target)
     if dist.is_initialized():
         dist.barrier()
     return target
