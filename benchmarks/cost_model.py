@@ -2,15 +2,20 @@
 
     python benchmarks/cost_model.py --nproc 2 --out benchmarks/results/cost_model
 
-Spawns gloo processes on the CPU, builds small transformers of two sizes, and for each strategy
-estimates the peak (atorch's cost model) and measures it (one training step under torch's
-MemTracker, maximum over ranks). Writes JSON and a markdown table; the ratio estimated/measured
-is the figure of merit (goal: within 10%). The step time the cost model estimates is only meant to
-rank candidates, so its figure is the Spearman rank correlation with the measured step time.
+Spawns gloo processes on the CPU and, for each workload, estimates each strategy's peak (atorch's
+cost model) and measures it (training steps under torch's MemTracker, maximum over ranks):
+
+- ``llama`` and ``llama-deep``: the Llama workloads of benchmarks/search_quality.py (hidden 128,
+  4 blocks, seq 64; 8 blocks, seq 128), AdamW, over every candidate of the search's own space
+  (checkpoint, amp, zero1/zero2/fsdp and their combinations; duplicates on this model run once);
+- ``small`` and ``deeper``: tiny transformers (dim 32; 2 and 6 blocks) over a fixed list.
+
+Writes JSON and a markdown table; the ratio estimated/measured is the figure of merit (goal:
+within 10%). The step time the cost model estimates is meant to rank candidates, so its figure
+is the Spearman rank correlation with the measured step time, per workload.
 """
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -30,30 +35,43 @@ STRATEGIES = [
     [("amp_native", "bf16"), "fsdp", "checkpoint"],
 ]
 SIZES = {"small": {"layers": 2, "batch": 8}, "deeper": {"layers": 6, "batch": 16}}
+LLAMAS = {"llama": {}, "llama-deep": {"layers": 8, "seq": 128}}  # benchmarks/search_quality.py's sizes
+WORKLOADS = [*LLAMAS, *SIZES]
 
 
-def measure_all(size: str) -> list[dict]:
+def measure_all(workload: str) -> list[dict]:
+    from atorch.auto.environment import DeviceContext
     from atorch.auto.search import measure
+    from atorch.auto.search.space import candidate_space
+    from atorch.utils.log import quiet
+    from benchmarks.workload import Size, Tokens, build_llama, loss_func
     from tests.helpers.models import TinyTransformer, TokenDataset, lm_loss
 
     torch.manual_seed(0)
-    spec = SIZES[size]
-    report = measure(TinyTransformer(layers=spec["layers"]), STRATEGIES, torch.optim.AdamW, TokenDataset(n=256), lm_loss,
-                     optim_args={"lr": 1e-3}, dataloader_args={"batch_size": spec["batch"]},
-                     model_input_format="unpack_dict", timed_steps=3)
-    batch = spec["batch"]
-    return [{"size": size, "strategy": " + ".join(c.names) or "(plain)", "estimated": c.estimated_peak_bytes,
+    if workload in LLAMAS:
+        size = Size(**LLAMAS[workload])
+        candidates = candidate_space(DeviceContext.detect())
+        model, data, loss, batch = build_llama(size), Tokens(size), loss_func, size.global_batch
+    else:
+        spec = SIZES[workload]
+        candidates, batch = STRATEGIES, spec["batch"]
+        model, data, loss = TinyTransformer(layers=spec["layers"]), TokenDataset(n=256), lm_loss
+    with quiet():
+        report = measure(model, candidates, torch.optim.AdamW, data, loss, optim_args={"lr": 1e-3},
+                         dataloader_args={"batch_size": batch}, model_input_format="unpack_dict", timed_steps=3,
+                         max_dryruns=len(candidates))
+    return [{"size": workload, "strategy": " + ".join(c.names) or "(plain)", "estimated": c.estimated_peak_bytes,
              "measured": c.measured_peak_bytes, "estimated_step_s": c.estimated_step_seconds,
              "measured_step_s": batch / c.throughput if c.throughput else None, "status": c.status,
-             "reason": c.reason} for c in report.candidates]
+             "reason": c.reason} for c in report.candidates if c.status != "pruned" or c.measured_peak_bytes]
 
 
 def run(nproc: int) -> list[dict]:
     from tests.helpers.dist import run_distributed
 
     rows = []
-    for size in SIZES:
-        rows += run_distributed(measure_all, nproc, size)[0] if nproc > 1 else measure_all(size)
+    for workload in WORKLOADS:
+        rows += run_distributed(measure_all, nproc, workload, timeout_s=1800)[0] if nproc > 1 else measure_all(workload)
     return rows
 
 
@@ -64,15 +82,15 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = run(args.nproc)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    from benchmarks.harness import spearman
+    from benchmarks.harness import spearman, write
 
-    correlation = {}
-    for size in SIZES:
+    correlation, spans = {}, {}
+    for size in WORKLOADS:
         timed = [r for r in rows if r["size"] == size and r["estimated_step_s"] and r["measured_step_s"]]
         correlation[size] = spearman([r["estimated_step_s"] for r in timed], [r["measured_step_s"] for r in timed])
-    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "step_time_spearman": correlation}, indent=2) + "\n")
+        ratios = [r["estimated"] / r["measured"] for r in rows if r["size"] == size and r["estimated"] and r["measured"]]
+        spans[size] = {"low": min(ratios), "high": max(ratios), "within_10pct": sum(0.9 <= x <= 1.1 for x in ratios),
+                       "count": len(ratios)} if ratios else None
     lines = [f"| model | strategy ({args.nproc} ranks) | estimated | measured | est/meas | est. step ms | measured step ms |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -82,11 +100,15 @@ def main() -> None:
         lines.append(f"| {r['size']} | {r['strategy']} | {kib(r['estimated'])} | {kib(r['measured'])} | {ratio} | "
                      f"{ms(r['estimated_step_s'])} | {ms(r['measured_step_s'])} |")
     lines.append("")
-    lines += [f"Spearman rank correlation of estimated vs measured step time, {size}: {rho:.2f}"
-              for size, rho in correlation.items()]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
+    for size in WORKLOADS:
+        span = spans[size]
+        memory = (f"est/meas {span['low']:.2f}-{span['high']:.2f}, {span['within_10pct']} of {span['count']} within 10%"
+                  if span else "no candidate measured")
+        lines.append(f"- {size}: {memory}; Spearman rank correlation of estimated vs measured step time "
+                     f"{correlation[size]:.2f}")
+    markdown = "\n".join(lines)
+    write(args.out, {"rows": rows, "memory_ratio": spans, "step_time_spearman": correlation}, markdown)
+    print(markdown)
 
 if __name__ == "__main__":
     main()

@@ -33,6 +33,13 @@ from atorch.distributed.topology import DATA_PARALLEL_DIMS
 ESTIMATE_RATIO = (0.8, 1.25)
 
 
+def candidate_ratio(ratio: tuple[float, float], estimate: "StepCost | None") -> tuple[float, float]:
+    """The search's estimate error bounds for one candidate: lower where one of its methods says
+    its estimates run lower (``StepCost.estimate_low``, set by the method's cost term)."""
+    low = None if estimate is None else estimate.estimate_low
+    return (ratio[0] if low is None else min(ratio[0], low), ratio[1])
+
+
 def surely_over(estimate: int | None, budget: int, ratio: tuple[float, float] = ESTIMATE_RATIO) -> bool:
     """Over ``budget`` even if the estimate is as high as it is ever measured to be."""
     return estimate is not None and estimate / ratio[1] > budget
@@ -200,6 +207,9 @@ class StepCost:
     optim_state: float = 0.0
     step_temp: float = 0.0
     gathered: float = 0.0
+    # the lowest estimated / measured peak seen for such candidates, when below ESTIMATE_RATIO's
+    # (a method whose memory the model under-counts lowers it: see candidate_ratio)
+    estimate_low: float | None = None
     activations: float = 0.0
     # what the methods did to the model, as shares and scales of the whole
     weight_scale: float = 1.0  # bytes per parameter relative to the model's own (half: 0.5)

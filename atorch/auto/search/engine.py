@@ -151,6 +151,7 @@ def search(
                                                            layout=layout.text, pruned_by=INELIGIBLE)))
     timed_out = False  # the time_limit cut something short (the report's note says so only then)
     estimate_seconds: dict[int, float] = {}  # id(strategy) -> seconds its estimate took (agreed)
+    ratios: dict[int, tuple[float, float]] = {}  # id(result) -> its estimate's error bounds
 
     def out_of_time() -> bool:
         late = options.time_limit is not None and time.perf_counter() - start >= options.time_limit
@@ -178,6 +179,7 @@ def search(
         if result.reason is not None:
             result.pruned_by = CONFIG_ERROR
         memory = None if estimate is None else estimate.memory()
+        ratios[id(result)] = cost.candidate_ratio(ratio, estimate)
         total = max_over_ranks(None if memory is None else memory.total)
         # Rank 0 has waited in that agreement for the slowest rank's estimate: its clock is the candidate's.
         estimate_seconds[id(strategy)] = from_rank0(time.perf_counter() - began)
@@ -197,7 +199,8 @@ def search(
         results.append((strategy, result))
 
     # A twin that may not fit (near the boundary, or not estimated) prunes nothing.
-    fits = {id(s) for s, r in results if r.reason is None and cost.surely_fits(r.estimated_peak_bytes, budget, ratio)}
+    fits = {id(s) for s, r in results
+            if r.reason is None and cost.surely_fits(r.estimated_peak_bytes, budget, ratios.get(id(r), ratio))}
     for strategy, result in results:
         if result.reason is not None or only is not None:
             continue
@@ -249,7 +252,8 @@ def search(
             timed_out = True
             result.reason = f"time_limit: measured over {outcome['timed_steps']} of {options.timed_steps} steps"
         result.measured_peak_bytes = peak = outcome["measured_peak_bytes"]
-        result.status, why = _judge_peak(peak, result.estimated_peak_bytes, options)
+        result.status, why = _judge_peak(peak, result.estimated_peak_bytes, options,
+                                         ratios.get(id(result), options.estimate_ratio))
         result.reason = why or result.reason
     for _, result in results:
         if result.status not in (MEASURED, FAILED):
@@ -266,7 +270,7 @@ def search(
         # Out of time before any measurement: the simplest candidate that fits the budget even by
         # the estimate's lowest reading is the safe answer, and the report says it was not measured.
         safe = [(s, r) for s, r in results
-                if r.status != FAILED and cost.surely_fits(r.estimated_peak_bytes, budget, ratio)]
+                if r.status != FAILED and cost.surely_fits(r.estimated_peak_bytes, budget, ratios.get(id(r), ratio))]
         winner = min(safe, key=lambda item: len(item[0]), default=None)
         if winner is not None:
             report.note = (f"time_limit of {options.time_limit:g}s reached before any candidate was measured: the "
@@ -313,13 +317,13 @@ def _first_micro_batch(ctx: ModelContext, dp_size: int):
     return next(iter(loader))
 
 
-def _judge_peak(peak: int | None, estimate: int | None, options: SearchOptions) -> tuple[str, str | None]:
+def _judge_peak(peak: int | None, estimate: int | None, options: SearchOptions,
+                ratio: tuple[float, float]) -> tuple[str, str | None]:
     """MEASURED or FAILED (with why) for a dry run that ran: the winner must fit the budget."""
     budget = options.memory_budget
     if peak is not None and peak > budget:
         return FAILED, f"measured peak memory {size_text(peak)} is over the memory budget"
-    if peak is None and not (options.budget_is_device_memory or cost.surely_fits(estimate, budget,
-                                                                                 options.estimate_ratio)):
+    if peak is None and not (options.budget_is_device_memory or cost.surely_fits(estimate, budget, ratio)):
         # A run that did not run out of memory proves nothing about a budget below the device's.
         return FAILED, (f"peak memory not measured (the tracker cannot follow this strategy, or time ran out) and "
                         f"its estimate ({size_text(estimate)}) does not fit the budget beyond the estimate's error")
