@@ -9,6 +9,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["atorch", "atorch.*"]),
+    # the hardware profiles of `atorch plan --search` ship with the package
+    package_data={"atorch.auto.search.profiles": ["*.json"]},
     install_requires=[
         # fully_shard (FSDP2), DeviceMesh and torch.distributed.pipelining as public APIs.
         "torch>=2.6",
