@@ -35,7 +35,7 @@ from benchmarks.workload import TINY, Size, atorch_step, build_llama  # noqa: E4
 
 VARIANTS = {
     "atorch": ["parallel_mode", "zero2"],
-    "atorch-bucketed": ["parallel_mode", ("zero2", {"bucketed": True})],
+    "atorch-per-block": ["parallel_mode", ("zero2", {"bucket_params": 0})],  # one FSDP unit per block (before)
     "deepspeed": 2,
 }
 PROFILE_SIZE = Size(hidden=256, layers=4, heads=4, vocab=1024, seq=128, global_batch=8)

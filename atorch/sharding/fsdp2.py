@@ -78,6 +78,30 @@ def choose_units(
     return sorted(units, key=lambda n: n.count("."), reverse=True)
 
 
+def group_units(model: torch.nn.Module, units: Sequence[str], bucket_params: int) -> list[tuple[str, ...]]:
+    """``units`` (non-nested, e.g. the blocks) in model order, consecutive ones grouped until a group
+    holds ``bucket_params`` parameters; a last group short of that is left to the root's unit.
+
+    Each group becomes one FSDP unit: one all-gather and one reduce-scatter for all its blocks, the
+    way DeepSpeed's reduce bucket gathers gradients. ``bucket_params=0`` keeps one unit per block.
+    """
+    nested = any(a != b and a.startswith(b + ".") for a in units for b in units)
+    if bucket_params <= 0 or nested:  # a list given to fully_shard must not nest
+        return [(name,) for name in units]
+    modules = dict(model.named_modules())
+    order = list(modules)
+    groups: list[tuple[str, ...]] = []
+    current: list[str] = []
+    numel = 0
+    for name in sorted(units, key=order.index):
+        current.append(name)
+        numel += sum(p.numel() for p in modules[name].parameters())
+        if numel >= bucket_params:
+            groups.append(tuple(current))
+            current, numel = [], 0
+    return groups
+
+
 def ignored_parameters(model: torch.nn.Module, ignored_names: Sequence[str]) -> set[torch.nn.Parameter]:
     return {p for m in model.modules() if _matches(m, ignored_names) for p in m.parameters()}
 
@@ -103,7 +127,7 @@ def _average_grad_hook(group: dist.ProcessGroup):
 def shard_model(
     model: torch.nn.Module,
     mesh: DeviceMesh,
-    units: Sequence[str],
+    units: Sequence[str | tuple[str, ...]],
     *,
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
@@ -111,7 +135,8 @@ def shard_model(
     ignored: set[torch.nn.Parameter] = frozenset(),
     forward_prefetch: bool = False,
 ) -> torch.nn.Module:
-    """Shard ``units`` (innermost first) and then the root over ``mesh``; return the root."""
+    """Shard ``units`` (innermost first; a tuple of names is one unit) and then the root over
+    ``mesh``; return the root."""
     kwargs = {
         "mesh": mesh,
         "reshard_after_forward": reshard_after_forward,
@@ -127,8 +152,8 @@ def shard_model(
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(hook)
     modules = dict(model.named_modules())
-    for name in units:
-        fully_shard(modules[name], **kwargs)
+    for unit in units:
+        fully_shard([modules[n] for n in unit] if isinstance(unit, tuple) else modules[unit], **kwargs)
     fully_shard(model, **kwargs)
     if forward_prefetch:
         in_order = [modules[n] for n in sorted(units, key=list(modules).index)]
