@@ -123,7 +123,7 @@ def _candidate_rows(model, args, assumptions, memory) -> list:
             rows.append((strategy.opt_names, None, reason or "no estimate: a method cannot run on the meta device"))
             continue
         terms = {"params": est.params, "grads": est.grads, "optim_state": est.optim_state, "gathered": est.gathered,
-                 "activations": est.activations, "step_temp": est.step_temp}
+                 "activations": est.activations, "step_temp": est.step_temp, "backward_grads": est.backward_grads}
         if assumptions.accounting == "deepspeed":
             sharding = next((s for s in ("zero1", "zero2", "fsdp") if s in strategy.opt_names), None)
             terms.update(model_states(model, sharding, args.world_size, assumptions))
@@ -133,9 +133,9 @@ def _candidate_rows(model, args, assumptions, memory) -> list:
 
 def _peak(terms: dict) -> int:
     # As cost.MemoryEstimate.total: gradients are freed before forward, so they share a term with
-    # the activations.
+    # the activations (except those alive at a checkpointed model's peak, late in backward).
     return (terms["params"] + terms["optim_state"] + terms["gathered"]
-            + max(terms["activations"], terms["grads"] + terms.get("step_temp", 0)))
+            + max(terms["activations"] + terms.get("backward_grads", 0), terms["grads"] + terms.get("step_temp", 0)))
 
 
 def _print_table(rows, with_activations: bool, memory: int) -> None:

@@ -59,10 +59,14 @@ class MemoryEstimate:
     activations: int
     step_temp: int = 0
     forward_flops: float = 0.0
+    # gradients alive together with the activations at their peak (checkpointing moves that peak
+    # late into backward, where most gradients exist; without it the peak is at the end of forward)
+    backward_grads: int = 0
 
     @property
     def total(self) -> int:
-        return self.params + self.optim_state + self.gathered + max(self.activations, self.grads + self.step_temp)
+        return self.params + self.optim_state + self.gathered + max(self.activations + self.backward_grads,
+                                                                    self.grads + self.step_temp)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -210,6 +214,8 @@ class StepCost:
     # the lowest estimated / measured peak seen for such candidates, when below ESTIMATE_RATIO's
     # (a method whose memory the model under-counts lowers it: see candidate_ratio)
     estimate_low: float | None = None
+    # share of the gradients alive at the activation peak (see MemoryEstimate.backward_grads)
+    backward_grad_share: float = 0.0
     activations: float = 0.0
     # what the methods did to the model, as shares and scales of the whole
     weight_scale: float = 1.0  # bytes per parameter relative to the model's own (half: 0.5)
@@ -262,7 +268,7 @@ class StepCost:
     def memory(self) -> "MemoryEstimate":
         return MemoryEstimate(math.ceil(self.params), math.ceil(self.grads), math.ceil(self.optim_state),
                               math.ceil(self.gathered), int(self.activations), math.ceil(self.step_temp),
-                              self.forward_flops)
+                              self.forward_flops, math.ceil(self.grads * self.backward_grad_share))
 
     def seconds(self) -> float:
         """compute (x the pipeline bubble) + communication not overlapped with it, at nominal

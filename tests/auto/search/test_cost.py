@@ -95,9 +95,9 @@ def test_a_plan_counts_amp_native_activations_in_its_dtype():
 
 
 def test_checkpoint_candidates_are_trusted_to_fit_only_within_their_measured_error():
-    # Checkpoint estimates run as low as 0.58 of the measured peak on the Llama workloads
+    # Checkpoint estimates run as low as 0.69 of the measured peak on the Llama workloads
     # (docs/benchmarks.md): an estimate of 70 against a budget of 100 fits by the search's usual
-    # bounds (70 / 0.8 = 87.5) but may measure 120, so it must not count as surely fitting.
+    # bounds (70 / 0.8 = 87.5) but may measure over 100, so it must not count as surely fitting.
     from tests.helpers.models import TinyTransformer
 
     model = TinyTransformer()
@@ -105,5 +105,19 @@ def test_checkpoint_candidates_are_trusted_to_fit_only_within_their_measured_err
     checkpointed = build_cost(model, Strategy(["checkpoint"]), {"data": 2}, 2.0, 0)
     assert candidate_ratio(ESTIMATE_RATIO, plain) == ESTIMATE_RATIO
     low, high = candidate_ratio(ESTIMATE_RATIO, checkpointed)
-    assert low <= 0.58 and high == ESTIMATE_RATIO[1]
+    assert low <= 0.69 and high == ESTIMATE_RATIO[1]
     assert surely_fits(70, 100, ESTIMATE_RATIO) and not surely_fits(70, 100, (low, high))
+
+
+def test_a_checkpointed_peak_counts_the_gradients_alive_beside_the_activations():
+    # Without checkpointing the activation peak is at the end of forward (no gradients yet); with
+    # it, late in backward, where the gradients exist too.
+    from tests.helpers.models import TinyTransformer
+
+    model, activations = TinyTransformer(), 10**6
+    plain = build_cost(model, Strategy(), {"data": 2}, 2.0, activations).memory()
+    checkpointed = build_cost(model, Strategy(["checkpoint"]), {"data": 2}, 2.0, activations).memory()
+    assert plain.backward_grads == 0 and checkpointed.backward_grads == checkpointed.grads > 0
+    states = checkpointed.params + checkpointed.optim_state + checkpointed.gathered
+    assert checkpointed.total == states + activations + checkpointed.grads
+    assert plain.total == states + activations
