@@ -10,6 +10,9 @@ import pytest
 from tests.helpers.compare import FP32_RTOL, assert_losses_close, assert_sensitive
 from tests.helpers.dist import run_distributed
 
+# Slow (run with -m slow): the Trainer and Lightning tests cover the same strategies in the default run.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("lightning")
 pytest.importorskip("transformers", minversion="5.0")
 

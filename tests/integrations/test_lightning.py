@@ -55,6 +55,7 @@ def _resume(tmp: str) -> dict:
     }
 
 
+@pytest.mark.slow  # the Trainer's resume test stays in the default run
 def test_a_run_saved_under_ddp_resumes_under_fsdp(tmp_path):
     """Saved by ModelCheckpoint at the end of epoch 0 (step 4) under ddp, resumed under fsdp: the
     same losses as Lightning's own DDP resumed from its own checkpoint. (Lightning resumes from an
