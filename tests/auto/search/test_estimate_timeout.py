@@ -6,12 +6,11 @@ on one rank ran its estimate, then a dry run of several such steps, before faili
 
 import time
 
-import torch
 import torch.distributed as dist
 
 from atorch.auto.config_types import MethodConfig
-from atorch.auto.registry import MethodSpec, Stage, get_method, register_method
 from atorch.auto.search.report import SearchReport
+from tests.auto.search.one_method import search_with
 from tests.helpers.dist import run_distributed
 
 TIMEOUT_S = 2.0
@@ -33,24 +32,8 @@ def _slow_forward(ctx, config):
 
 
 def _search(report_file: str):
-    from atorch.auto import auto_accelerate
-    from tests.helpers.models import TinyTransformer, TokenDataset, lm_loss
-
-    try:
-        get_method("_slow_forward")
-    except ValueError:
-        register_method(MethodSpec("_slow_forward", SlowForwardConfig, {Stage.REWRITE: _slow_forward},
-                                   "its forward sleeps on one rank", search_space=({"rank": 1},)))
-    torch.manual_seed(0)
-    # Only plain DDP, with and without the slow method: two candidates.
-    excluded = ["amp_native", "module_replace", "checkpoint", "zero1", "zero2", "fsdp", "pipeline_parallel",
-                "tensor_parallel"]
-    status, _, strategy = auto_accelerate(
-        TinyTransformer(), torch.optim.AdamW, TokenDataset(), lm_loss, optim_args={"lr": 1e-2},
-        dataloader_args={"batch_size": 8}, model_input_format="unpack_dict", report_file=report_file,
-        excluded=excluded, dryrun_warmup_steps=1, dryrun_steps=2, dryrun_timeout=TIMEOUT_S, use_search_cache=False,
-    )
-    return status, None if strategy is None else strategy.opt_names
+    return search_with("_slow_forward", SlowForwardConfig, _slow_forward, "its forward sleeps on one rank",
+                       report_file, TIMEOUT_S)
 
 
 def test_a_forward_slower_than_the_timeout_fails_at_its_estimate(tmp_path):

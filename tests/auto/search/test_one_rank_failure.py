@@ -7,12 +7,11 @@ agreements have a group of their own and the candidate's groups time out after d
 the failure is recorded with the failing rank's message and the search goes on.
 """
 
-import torch
 import torch.distributed as dist
 
 from atorch.auto.config_types import MethodConfig
-from atorch.auto.registry import MethodSpec, Stage, get_method, register_method
 from atorch.auto.search.report import SearchReport
+from tests.auto.search.one_method import search_with
 from tests.helpers.dist import run_distributed
 
 TIMEOUT_S = 3.0
@@ -33,24 +32,8 @@ def _fail_in_forward(ctx, config):
 
 
 def _search(report_file: str):
-    from atorch.auto import auto_accelerate
-    from tests.helpers.models import TinyTransformer, TokenDataset, lm_loss
-
-    try:
-        get_method("_forward_fails")
-    except ValueError:
-        register_method(MethodSpec("_forward_fails", ForwardFailsConfig, {Stage.REWRITE: _fail_in_forward},
-                                   "its forward raises on one rank", search_space=({"rank": 1},)))
-    torch.manual_seed(0)
-    # Only plain DDP, with and without the failing method: two dry runs.
-    excluded = ["amp_native", "module_replace", "checkpoint", "zero1", "zero2", "fsdp", "pipeline_parallel",
-                "tensor_parallel"]
-    status, _, strategy = auto_accelerate(
-        TinyTransformer(), torch.optim.AdamW, TokenDataset(), lm_loss, optim_args={"lr": 1e-2},
-        dataloader_args={"batch_size": 8}, model_input_format="unpack_dict", report_file=report_file,
-        excluded=excluded, dryrun_warmup_steps=1, dryrun_steps=2, dryrun_timeout=TIMEOUT_S, use_search_cache=False,
-    )
-    return status, None if strategy is None else strategy.opt_names
+    return search_with("_forward_fails", ForwardFailsConfig, _fail_in_forward, "its forward raises on one rank",
+                       report_file, TIMEOUT_S)
 
 
 def test_a_forward_failing_on_one_rank_is_recorded_and_the_search_goes_on(tmp_path):
