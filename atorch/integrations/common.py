@@ -70,3 +70,13 @@ def needs_atorch_norm(strategy: Strategy) -> bool:
 
 # The search must not propose what the trainer refuses.
 SEARCH_EXCLUDED = sorted(STEP_CHANGING)
+
+
+def data_parallel_sampler_kwargs() -> dict[str, int] | None:
+    """``num_replicas`` and ``rank`` of this rank's data-parallel group for a DistributedSampler
+    (ranks of one tensor-parallel group read the same batches), or None without a topology."""
+    from atorch import parallel_state
+
+    if parallel_state.current_topology() is None:
+        return None
+    return {"num_replicas": parallel_state.get_data_parallel_size(), "rank": parallel_state.get_data_parallel_rank()}

@@ -24,9 +24,14 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch.nn.parallel import DistributedDataParallel
 
 import atorch.checkpoint
-from atorch import parallel_state
 from atorch.auto import auto_accelerate, clip_grad_norm
-from atorch.integrations.common import TrainerStrategyError, check_applied, check_strategy, needs_atorch_norm
+from atorch.integrations.common import (
+    TrainerStrategyError,
+    check_applied,
+    check_strategy,
+    data_parallel_sampler_kwargs,
+    needs_atorch_norm,
+)
 from atorch.integrations.lightning import _plain
 
 
@@ -115,10 +120,7 @@ class AtorchFabricStrategy(DDPStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Ranks of one tensor-parallel group read the same batches."""
-        if parallel_state.current_topology() is None:
-            return super().distributed_sampler_kwargs
-        return {"num_replicas": parallel_state.get_data_parallel_size(),
-                "rank": parallel_state.get_data_parallel_rank()}
+        return data_parallel_sampler_kwargs() or super().distributed_sampler_kwargs
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
         if self.strategy is None or not needs_atorch_norm(self.strategy):

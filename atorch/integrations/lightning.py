@@ -22,9 +22,14 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 
 import atorch.checkpoint
-from atorch import parallel_state
 from atorch.auto import auto_accelerate, clip_grad_norm
-from atorch.integrations.common import TrainerStrategyError, check_applied, check_strategy, needs_atorch_norm
+from atorch.integrations.common import (
+    TrainerStrategyError,
+    check_applied,
+    check_strategy,
+    data_parallel_sampler_kwargs,
+    needs_atorch_norm,
+)
 
 # What a Lightning checkpoint holds beside the model and optimizer states (atorch saves those).
 _MODEL_KEYS = ("state_dict", "optimizer_states")
@@ -124,10 +129,7 @@ class AtorchStrategy(DDPStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Ranks of one tensor-parallel group read the same batches."""
-        if parallel_state.current_topology() is None:
-            return super().distributed_sampler_kwargs
-        return {"num_replicas": parallel_state.get_data_parallel_size(),
-                "rank": parallel_state.get_data_parallel_rank()}
+        return data_parallel_sampler_kwargs() or super().distributed_sampler_kwargs
 
     # Checkpoints: atorch.checkpoint on every rank, whatever holds the parameters.
 
