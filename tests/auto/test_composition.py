@@ -1,6 +1,7 @@
 """The composition matrix (issue 16): every pair of methods planned in both list orders; every
 pair the planner accepts trained on gloo ranks against a serial reference, its compute dtype
-asserted; every refused pair refused by name. Full matrix (4 ranks, both orders, triples):
+asserted; every refused pair refused by name. The default run trains a representative share of
+the pairs; the full matrix (every pair on 2 and 4 ranks, both orders, triples):
 ``pytest -m slow tests/auto/test_composition.py``."""
 
 import math
@@ -133,15 +134,48 @@ def test_compatibility_doc_is_generated_from_the_registry():
         "docs/methods/compatibility.md is stale: python -m atorch.auto.compatibility > docs/methods/compatibility.md")
 
 
-def test_every_accepted_pair_on_2_ranks_matches_serial_with_its_compute_dtype_and_round_trips(tmp_path):
-    cases = runnable(2)
-    # The bug that opened issue 16: zero2 on fairscale listed amp_native but computed in fp32.
-    assert not C.HAS["fairscale"] or ("amp_native", "zero2_fairscale") in cases
-    assert ("amp_native", "pipeline_parallel") in cases
+# The default run's share of the 2-rank matrix (the whole of it, 65 pairs and 5 minutes, runs with
+# -m slow): every variant at least once; amp with every method that shards, splits or rewrites the
+# model (where a dtype went missing before); half, checkpoint and dynamo with a sharded and a split
+# model; two pairs in reversed list order.
+DEFAULT_PAIRS = [
+    ("amp_native", "zero2"), ("amp_native", "zero2_fairscale"), ("amp_native", "zero2_ds"),
+    ("amp_native", "zero1_ds"), ("amp_native", "fsdp"), ("amp_native", "tensor_parallel"),
+    ("amp_native", "sequence_parallel"), ("amp_native", "pipeline_parallel"),
+    ("amp_native", "mixed_parallel"), ("amp_native", "genomic_bottleneck"),
+    ("half", "fsdp"), ("half", "zero1"),
+    ("checkpoint", "fsdp"), ("checkpoint", "tensor_parallel"), ("checkpoint", "ds_3d_parallel"),
+    ("native_dynamo", "zero2"), ("native_dynamo", "tensor_parallel"),
+    ("zero1", "module_replace"), ("module_replace", "mixed_parallel"),
+    ("fsdp", "amp_native"), ("pipeline_parallel", "checkpoint"),
+]
+
+
+def check_pairs_on_2_ranks(cases, tmp_path):
     results = run_distributed(C.run_cases, 2, cases, 2, str(tmp_path), timeout_s=900)
     assert results[0].keys() == set(cases)
     problems = check(results[0], 2)
     assert not problems, "\n\n".join(problems)
+
+
+def test_the_default_pairs_cover_every_variant_and_are_accepted():
+    covered = {variant for case in DEFAULT_PAIRS for variant in case}
+    assert covered == set(C.VARIANTS), set(C.VARIANTS) - covered
+    assert all(C.plan_case(case, 2)["outcome"] == "accepted" for case in DEFAULT_PAIRS)
+
+
+def test_representative_pairs_on_2_ranks_match_serial_with_their_compute_dtype_and_round_trip(tmp_path):
+    cases = runnable(2, DEFAULT_PAIRS)
+    # The bug that opened issue 16: zero2 on fairscale listed amp_native but computed in fp32.
+    assert not C.HAS["fairscale"] or ("amp_native", "zero2_fairscale") in cases
+    assert ("amp_native", "pipeline_parallel") in cases
+    check_pairs_on_2_ranks(cases, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_every_accepted_pair_on_2_ranks_matches_serial_with_its_compute_dtype_and_round_trips(tmp_path):
+    check_pairs_on_2_ranks(runnable(2), tmp_path)
 
 
 def test_the_matrix_check_fails_without_training_and_in_the_wrong_precision():
