@@ -113,7 +113,7 @@ def pipeline_terms(cost, config: PipelineFields, stages: int) -> None:
     cost.compute_share *= share
     cost.bubble += (stages - 1) / (m * v)
     width = _boundary_width(cost.model, ranges[0])
-    cost.comms.append(Comm("pipeline", 2 * cost.tokens * width * v, 2 * m * v))
+    cost.comms.append(Comm("pipeline", 2 * cost.tokens * width * v, 2 * m * v, kind="send_recv"))
 
 
 def cost_term(config: PipelineParallelConfig, cost) -> None:

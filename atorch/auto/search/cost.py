@@ -185,6 +185,7 @@ class Comm:
     elements: float  # activation elements moved (their bytes follow the compute dtype)
     messages: int  # separate collectives or sends (each pays the latency)
     factor: float = 1.0  # bytes on the wire per byte of payload (a ring all-reduce: 2(n-1)/n)
+    kind: str = "all_reduce"  # the collective, for its measured rate: all_reduce, all_gather, reduce_scatter, send_recv
 
 
 @dataclass
@@ -231,8 +232,9 @@ class StepCost:
     # (n-1)/n of that per rank
     data_sync: dict = field(default_factory=dict)
     comms: list = field(default_factory=list)  # other communication not overlapped with compute
-    # a hardware profile (atorch/auto/search/profiles): its rates replace the nominal ones, and a
-    # group that spans nodes uses its inter-node link
+    # a hardware profile (atorch/auto/search/profiles), named or calibrated on this machine
+    # (atorch/auto/search/calibrate.py): its rates replace the nominal ones, a group that spans
+    # nodes uses its inter-node link, and each collective its own measured rate when it has one
     profile: Any = None
 
     @property
@@ -272,7 +274,8 @@ class StepCost:
 
     def seconds(self) -> float:
         """compute (x the pipeline bubble) + communication not overlapped with it, at nominal
-        rates, or at the rates of ``profile`` when one is set."""
+        rates, or at the rates of ``profile`` when one is set (each collective at its own rate,
+        and one latency per collective kind of the data-parallel sync)."""
         if self.profile is None:
             rate = _FLOPS.get(self.device_type, _FLOPS["cpu"])[self.compute_dtype]
         else:
@@ -281,19 +284,27 @@ class StepCost:
         piece = self.param_bytes() * self.weight_scale * self.split * self.stage_share
         trainable = self.param_bytes(True) * self.weight_scale * self.split * self.stage_share
         dp = self.dp_size
-        moved = (self.data_sync.get("params", 0) * piece + self.data_sync.get("grads", 0) * trainable)
-        bandwidth, latency = self._link(DATA_PARALLEL_DIMS)
-        comm = moved * (dp - 1) / dp / bandwidth + (latency if dp > 1 and moved else 0.0)
+        comm = 0.0
+        if dp > 1:
+            grads = self.data_sync.get("grads", 0)
+            # Parameters are gathered (or broadcast); gradients all-reduced (x2) or reduce-scattered (x1).
+            sync = {"all_gather": self.data_sync.get("params", 0) * piece,
+                    "all_reduce" if grads >= 2 else "reduce_scatter": grads * trainable}
+            for kind, moved in sync.items():
+                if moved:
+                    bandwidth, latency = self._link(DATA_PARALLEL_DIMS, kind)
+                    comm += moved * (dp - 1) / dp / bandwidth + latency
         element = 2 if self.compute_dtype == "half" else 4
         for c in self.comms:
             if self.size(c.dim) > 1:
-                bandwidth, latency = self._link((c.dim,))
+                bandwidth, latency = self._link((c.dim,), c.kind)
                 comm += c.elements * element * c.factor / bandwidth + c.messages * latency
         return compute * (1 + self.bubble) + comm
 
-    def _link(self, dims) -> tuple[float, float]:
-        """(bandwidth, latency) of a group over ``dims``: nominal by device, or the profile's link
-        for the ranks the group spans (``self.dims`` run innermost first, ranks node by node)."""
+    def _link(self, dims, kind: str | None = None) -> tuple[float, float]:
+        """(bandwidth, latency) of collective ``kind`` over a group of ``dims``: nominal by device,
+        or the profile's link for the ranks the group spans (``self.dims`` run innermost first,
+        ranks node by node)."""
         if self.profile is None:
             return (_BANDWIDTH.get(self.device_type, _BANDWIDTH["cpu"]), _LATENCY.get(self.device_type, _LATENCY["cpu"]))
         span, reached = 1, 1
@@ -301,7 +312,7 @@ class StepCost:
             span *= size
             if name in dims:
                 reached = span
-        link = self.profile.link(reached)
+        link = self.profile.link(reached, kind)
         return link.bandwidth, link.latency
 
 
@@ -338,9 +349,10 @@ def estimate_memory(model: torch.nn.Module, strategy: Strategy, dp_size: int, op
     return cost.memory()
 
 
-# Rough rates, used only to order candidates (dry runs measure the real thing): sustained matmul
-# FLOP/s by device and compute dtype, collective bandwidth in bytes/s and the latency of one
-# collective or send in seconds, by device.
+# Rough rates, used when this machine has no calibration (atorch/auto/search/calibrate.py) and
+# no profile is given, only to order candidates (dry runs measure the real thing): sustained
+# matmul FLOP/s by device and compute dtype, collective bandwidth in bytes/s and the latency of
+# one collective or send in seconds, by device.
 _FLOPS = {"cuda": {"fp32": 4e13, "half": 3e14}, "cpu": {"fp32": 5e10, "half": 2.5e10}}
 _BANDWIDTH = {"cuda": 5e10, "cpu": 1e9}
 _LATENCY = {"cuda": 2e-5, "cpu": 1e-4}

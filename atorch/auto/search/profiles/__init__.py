@@ -4,6 +4,9 @@ A profile is a JSON file in this folder (``h100_80gb.json``): peak dense matmul 
 dtype, the share of that peak a training matmul sustains, memory per device, GPUs per node, and
 the bandwidth (bytes/s, each way) and latency (s) of one collective step inside a node and between
 nodes. ``sources`` says where every number comes from (a datasheet, or "assumption").
+Optionally, ``collectives`` gives a link per collective kind (``all_reduce``, ``all_gather``,
+``reduce_scatter``, ``send_recv``) and group size, as ``atorch calibrate`` measures them on this
+machine (:mod:`atorch.auto.search.calibrate` writes its cache in this schema).
 The cost model (:meth:`atorch.auto.search.cost.StepCost.seconds`) uses a profile's rates in place
 of its nominal ones, and ``atorch plan --search --profile NAME`` plans with it::
 
@@ -46,6 +49,9 @@ class HardwareProfile:
     sources: dict = field(default_factory=dict)
     description: str = ""
     attention: str = "math"  # "flash": activations of attention as a flash kernel saves them
+    # {kind: {group size: Link}}: measured per collective (see the module docstring); empty in a
+    # datasheet profile, whose two links then serve every kind
+    collectives: dict = field(default_factory=dict)
 
     def peak(self, compute_dtype: str) -> float:
         """Peak dense FLOP/s for the cost model's compute dtype ("half" or "fp32")."""
@@ -55,9 +61,15 @@ class HardwareProfile:
         """Sustained FLOP/s: the peak times ``sustained_fraction``."""
         return self.peak(compute_dtype) * self.sustained_fraction
 
-    def link(self, span: int) -> Link:
+    def link(self, span: int, kind: str | None = None) -> Link:
         """The link a group uses whose members lie within ``span`` consecutive ranks (ranks are
-        placed node by node): NVLink when they share a node, InfiniBand otherwise."""
+        placed node by node): NVLink when they share a node, InfiniBand otherwise. With ``kind``
+        (a collective) measured in ``collectives``, the rate of the smallest group measured that
+        covers ``span`` (the largest measured when none does)."""
+        measured = self.collectives.get(kind) if kind else None
+        if measured:
+            sizes = sorted(measured)
+            return measured[next((s for s in sizes if s >= span), sizes[-1])]
         return self.intra_node if span <= self.gpus_per_node else self.inter_node
 
 
@@ -75,9 +87,18 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     if not path.is_file():
         raise UnknownProfileError(f"no hardware profile {name_or_path!r}; known profiles: {', '.join(profile_names())} "
                                   f"(or give the path of a profile JSON file like those in {FOLDER})")
+    return profile_from_data(json.loads(path.read_text()), path)
+
+
+def _link(data: dict) -> Link:
+    return Link(float(data["bandwidth"]), float(data["latency"]))
+
+
+def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwareProfile:
+    """A :class:`HardwareProfile` from a profile's JSON data, checked (``origin`` names it in errors)."""
     from atorch.auto.search.cost import parse_bytes
 
-    data = json.loads(path.read_text())
+    path = Path(origin)
     missing = [key for key in _REQUIRED if key not in data]
     if missing:
         raise UnknownProfileError(f"hardware profile {path} lacks {missing}")
@@ -86,7 +107,12 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     if unsourced:
         raise UnknownProfileError(f"hardware profile {path} gives no source for {unsourced} (write it in 'sources')")
     fraction = float(data["sustained_fraction"])
-    if not 0 < fraction <= 1 or not all(math.isfinite(v) and v > 0 for v in data["matmul_flops"].values()):
+    collectives = {kind: {int(size): _link(link) for size, link in by_size.items()}
+                   for kind, by_size in data.get("collectives", {}).items()}
+    links = [_link(data["intra_node"]), _link(data["inter_node"])] + [
+        link for by_size in collectives.values() for link in by_size.values()]
+    if (not 0 < fraction <= 1 or not all(math.isfinite(v) and v > 0 for v in data["matmul_flops"].values())
+            or not all(math.isfinite(v) and v > 0 for link in links for v in (link.bandwidth, link.latency))):
         raise UnknownProfileError(f"hardware profile {path}: rates must be positive and sustained_fraction in (0, 1]")
     return HardwareProfile(
         name=data.get("name", path.stem),
@@ -94,9 +120,10 @@ def load_profile(name_or_path: str) -> HardwareProfile:
         sustained_fraction=fraction,
         memory=parse_bytes(data["memory"]),
         gpus_per_node=int(data["gpus_per_node"]),
-        intra_node=Link(float(data["intra_node"]["bandwidth"]), float(data["intra_node"]["latency"])),
-        inter_node=Link(float(data["inter_node"]["bandwidth"]), float(data["inter_node"]["latency"])),
+        intra_node=links[0],
+        inter_node=links[1],
         sources=dict(data["sources"]),
         description=data.get("description", ""),
         attention=data.get("attention", "math"),
+        collectives=collectives,
     )
