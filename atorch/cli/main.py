@@ -4,12 +4,13 @@
     atorch explain report.json
     atorch plan --hf-config llama7b.json --world-size 8 --dtype bf16 --accounting deepspeed
     atorch plan --hf-config llama7b.json --world-size 64 --memory 80GiB --batch-size 64 --seq-len 2048
+    atorch calibrate --nproc 2
 """
 
 import argparse
 import sys
 
-from atorch.cli import explain, plan, validate
+from atorch.cli import calibrate, explain, plan, validate
 
 
 def main(argv=None) -> int:
@@ -18,6 +19,7 @@ def main(argv=None) -> int:
     validate.add_parser(sub)
     explain.add_parser(sub)
     plan.add_parser(sub)
+    calibrate.add_parser(sub)
     args = parser.parse_args(argv)
     from atorch.errors import AtorchConfigError
 

@@ -14,6 +14,7 @@ from atorch.auto.plan import resolve_strategy
 from atorch.auto.registry import all_methods, get_method
 from atorch.auto.search import cost
 from atorch.auto.search.agree import from_rank0, max_over_ranks
+from atorch.auto.search.calibrate import cached_rates
 from atorch.auto.search.dryrun import dry_run
 from atorch.auto.search.report import FAILED, MEASURED, PRUNED, CandidateResult, SearchReport, size_text
 from atorch.auto.search.space import candidate_space, layout_space, layout_text
@@ -25,8 +26,8 @@ from atorch.utils.log import logger, quiet
 # Throughputs within this fraction of the best count as a tie, won by the simpler strategy.
 TIE_TOLERANCE = 0.03
 # A candidate is dominated by one that needs no more memory and is estimated this many times
-# faster. The step-time estimate uses nominal rates: it orders candidates, it does not predict
-# seconds, so only a wide gap prunes.
+# faster. The step-time estimate (nominal or calibrated rates) orders candidates, it does not
+# predict seconds well, so only a wide gap prunes.
 DOMINANCE = 2.0
 # Why a candidate was pruned, as counted in the report (SearchReport.pruned).
 INELIGIBLE, SYMMETRIC, CONFIG_ERROR, OVER_BUDGET_RULE = "ineligible", "symmetric", "config_error", "over_budget"
@@ -133,6 +134,8 @@ def search(
         candidates = candidate_space(device_ctx, excluded, included, base, layouts, counts)
         counts["generated"] += len(ineligible)
     state_factor = cost.optimizer_state_factor(probe_ctx.optim_func, probe_ctx.optim_args)
+    # This machine's calibrated rates when `atorch calibrate` has measured them, nominal otherwise.
+    rates, report.rates = cached_rates(device_ctx.device, device_ctx.world_size)
     micro_batches: dict[int, object] = {}  # per data-parallel size: the batch one data rank gets
 
     def probe(strategy: Strategy, flops: list, dims: dict[str, int]) -> tuple[int, int]:
@@ -174,6 +177,8 @@ def search(
             continue
         began = time.perf_counter()
         estimate, reason = cost_candidate(model, strategy, dims, state_factor, probe, device_ctx.device.type)
+        if estimate is not None:
+            estimate.profile = rates
         # Decisions use agreed values only, so every rank prunes and runs the same candidates.
         result = CandidateResult(strategy.to_dict(), reason=from_rank0(reason), layout=text)
         if result.reason is not None:

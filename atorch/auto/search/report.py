@@ -47,6 +47,9 @@ class SearchReport:
     generated: int | None = None
     pruned: dict[str, int] | None = None
     dry_run: int | None = None
+    # Which rates the step-time estimates used: calibrated on this machine (and where from), or
+    # nominal and why (see atorch/auto/search/calibrate.py); None in reports from before.
+    rates: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -98,7 +101,8 @@ class SearchReport:
         head = (f"atorch search: {len(self.candidates)} candidates on {self.world_size} x {self.device}, "
                 f"memory budget {size_text(self.memory_budget_bytes)}, {self.search_seconds:.1f}s")
         tail = [self.note] if self.note else []
-        return "\n".join([head, *self._counts_line(), *lines, *tail])
+        rates = [f"step times estimated at {self.rates}"] if self.rates else []
+        return "\n".join([head, *self._counts_line(), *rates, *lines, *tail])
 
     def _counts_line(self) -> list[str]:
         if self.generated is None:

@@ -1,0 +1,297 @@
+"""Rates measured on this machine, for the search's step-time estimate.
+
+Every rank of an initialised process group calls :func:`calibrate`. It measures, in a few
+seconds: the matmul rate per dtype (fp32, bf16) and, for each group size (powers of two that
+divide the world, a node's ranks, and the world), the bandwidth and latency of all-reduce,
+all-gather, reduce-scatter and send/recv. Each collective is timed at two message sizes (median
+of a few repetitions, the slowest rank's), and the line ``time = latency + bytes / bandwidth`` is
+drawn through the two points, with bytes counted the way the cost model counts them (an all-reduce of
+P bytes over n ranks moves 2(n-1)/n x P per rank). The rates are written as a hardware profile
+(the schema of ``atorch/auto/search/profiles``) to a cache file per device type and world size,
+and the search uses them in place of its nominal rates (the report says which it used)::
+
+    # every rank, after init_distributed(); or from a shell: atorch calibrate --nproc 2
+    from atorch.auto.search.calibrate import calibrate
+    rates = calibrate()              # measured once, then read from the cache
+    rates = calibrate(refresh=True)  # measured again
+"""
+
+import json
+import os
+import platform
+import re
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from atorch.auto.search.agree import from_rank0, max_each
+from atorch.auto.search.profiles import HardwareProfile, profile_from_data
+from atorch.utils.files import write_text_atomic
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+REPEATS = 5
+# Payload bytes per message of the two-point fit: one small (latency), one large (bandwidth).
+MESSAGE_BYTES = {"cpu": (16 * 2**10, 4 * 2**20), "cuda": (64 * 2**10, 64 * 2**20)}
+# Side of the square matmuls timed per dtype.
+MATMUL_SIDE = {"cpu": 512, "cuda": 8192}
+MATMUL_SECONDS = 0.05
+
+
+def default_dir() -> Path:
+    """``$XDG_CACHE_HOME/atorch/calibration`` (``~/.cache/atorch/calibration``), beside the search cache."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "atorch" / "calibration"
+
+
+def device_name(device: torch.device) -> str:
+    """The device type a calibration is kept for: ``cpu``, or ``cuda-`` and the GPU's model."""
+    if device.type != "cuda":
+        return device.type
+    return "cuda-" + re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+
+
+def cache_path(device: torch.device, world_size: int, directory: str | os.PathLike | None = None) -> Path:
+    """The calibration file of ``world_size`` ranks on ``device``'s type."""
+    return Path(directory or default_dir()) / f"{device_name(device)}-world{world_size}.json"
+
+
+def calibrate(refresh: bool = False, directory: str | os.PathLike | None = None,
+              device: torch.device | None = None) -> HardwareProfile:
+    """This machine's rates, the same on every rank: from the cache, or measured (and cached)
+    when there is none or ``refresh`` is set. A collective call: every rank calls it."""
+    from atorch.distributed import env
+
+    device = device or env.device()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    path = cache_path(device, world, directory)
+    data = None if refresh else read_cached(path, device)[0]
+    if from_rank0(data is None):
+        data = measure(device)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+    data = from_rank0(data)
+    return profile_from_data(data, path)
+
+
+def read_cached(path: Path, device: torch.device) -> tuple[dict | None, str]:
+    """The calibration at ``path`` on rank 0 (None elsewhere), or None and why it does not apply:
+    there is none, it does not read, or it was taken with another number of ranks per node (or,
+    on the CPU, of threads per rank)."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None, ""
+    if not path.is_file():
+        return None, f"no calibration at {path}"
+    try:
+        data = json.loads(path.read_text())
+        profile_from_data(data, path)
+    except (ValueError, KeyError, TypeError) as error:
+        return None, f"{path} does not read as a calibration ({error})"
+    taken, now = data.get("calibration", {}), _setting(device)
+    changed = [f"{key} {taken.get(key)} there, {value} here" for key, value in now.items() if taken.get(key) != value]
+    if changed:
+        return None, f"{path} was measured with another setting ({'; '.join(changed)})"
+    return data, ""
+
+
+def cached_rates(device: torch.device, world_size: int,
+                 directory: str | os.PathLike | None = None) -> tuple[HardwareProfile | None, str]:
+    """The cached calibration for this job, the same on every rank, and a line that says which
+    rates the cost model will use (calibrated, from where; or nominal, and why). A collective
+    call when a process group is initialised."""
+    path = cache_path(device, world_size, directory)
+    data, why = from_rank0(read_cached(path, device))
+    if data is None:
+        return None, f"nominal rates ({why}; `atorch calibrate --nproc {world_size}` measures this machine's)"
+    when = data["calibration"].get("when", "")
+    return profile_from_data(data, path), f"calibrated rates ({path}{', ' + when if when else ''})"
+
+
+def _setting(device: torch.device) -> dict:
+    """What a calibration depends on besides the device type and world size."""
+    setting = {"local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
+    if device.type == "cpu":
+        setting["threads"] = torch.get_num_threads()
+    return setting
+
+
+def measure(device: torch.device) -> dict:
+    """Measure the rates on every rank; the result (a profile's data) is rank 0's, agreed."""
+    began = time.perf_counter()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    setting = _setting(device)
+    local = setting["local_world_size"]
+    matmul = {"fp32": _matmul_rate(device, torch.float32), "bf16": _matmul_rate(device, torch.bfloat16)}
+    collectives: dict = {kind: {} for kind in KINDS}
+    for size in _group_sizes(world, local):
+        group, own = _group_of(size)
+        for kind in KINDS:
+            collectives[kind][str(size)] = _fit(device, kind, group, size)
+        if own:
+            dist.destroy_process_group(group)
+    inside = max((s for s in map(int, collectives["all_reduce"]) if s <= local), default=None)
+    intra = collectives["all_reduce"][str(inside)] if inside else {"bandwidth": 1e9, "latency": 1e-4}
+    inter = collectives["all_reduce"][str(world)] if world > local else intra
+    seconds = time.perf_counter() - began
+    when = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
+    how = (f"measured by atorch calibrate ({when}, {world} x "
+           f"{device_name(device)}, torch {torch.__version__}, {seconds:.1f}s)")
+    sources = {"matmul_flops": f"{how}: square matmuls of side {MATMUL_SIDE.get(device.type, 512)} (halved while "
+                               f"one takes over {MATMUL_SECONDS}s), median of {REPEATS}, the slowest rank's",
+               "sustained_fraction": "1: the matmul rates are measured, already sustained",
+               "memory": "this device's memory (the node's RAM shared by its ranks on CPU)",
+               "intra_node.bandwidth": f"{how}: all-reduce over the largest group inside a node"
+               if inside else "nominal: one rank, nothing to measure",
+               "inter_node.bandwidth": f"{how}: all-reduce over every rank" if world > local else
+               "the intra-node link (every rank is on one node)",
+               "collectives": f"{how}: latency + bytes / bandwidth through two message sizes "
+                              f"{MESSAGE_BYTES.get(device.type, MESSAGE_BYTES['cpu'])} bytes, median of {REPEATS}, "
+                              "the slowest rank's; bytes as the cost model counts them per rank"}
+    return from_rank0({
+        "name": f"calibrated-{device_name(device)}-world{world}",
+        "description": f"{world} x {device_name(device)} on {platform.node()}, {local} per node",
+        "matmul_flops": matmul,
+        "sustained_fraction": 1.0,
+        "memory": _memory(device, local),
+        "gpus_per_node": local,
+        "intra_node": intra,
+        "inter_node": inter,
+        "collectives": {k: v for k, v in collectives.items() if v},
+        "attention": "flash" if device.type == "cuda" else "math",
+        "calibration": {"device": device_name(device), "world_size": world, **setting, "when": when,
+                        "seconds": seconds, "torch": torch.__version__},
+        "sources": sources,
+    })
+
+
+def _memory(device: torch.device, local: int) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    from atorch.auto.environment import _host_memory
+
+    return _host_memory() // max(local, 1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(device: torch.device, run, group=None) -> float:
+    """Median wall time of ``run()`` over REPEATS (after one warm-up), the slowest rank's.
+    With ``group``, its ranks start each repetition together."""
+    run()
+    times = []
+    for _ in range(REPEATS):
+        if group is not None:
+            dist.barrier(group=group)
+        _sync(device)
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return max_each(statistics.median(times))[0]
+
+
+def _matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a square matmul in ``dtype``, all ranks computing at once (as they train). The
+    side is halved (down to 128) while one matmul takes over MATMUL_SECONDS (bf16 on a CPU
+    without bf16 instructions runs ~10x slower than fp32), so calibration stays short."""
+    side = MATMUL_SIDE.get(device.type, 512)
+    while True:
+        a = torch.randn(side, side, device=device, dtype=dtype)
+        b = torch.randn(side, side, device=device, dtype=dtype)
+        _sync(device)
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        _sync(device)
+        slow = max_each(time.perf_counter() - start)[0] > MATMUL_SECONDS
+        if not slow or side <= 128:
+            break
+        side //= 2
+    return 2 * side**3 / _median_seconds(device, lambda: torch.matmul(a, b))
+
+
+def _group_sizes(world: int, local: int) -> list[int]:
+    """Powers of two that divide ``world``, the ranks of a node, and ``world`` itself (no group of one)."""
+    sizes = {s for s in (world, local) if s > 1 and world % s == 0}
+    size = 2
+    while size < world:
+        if world % size == 0:
+            sizes.add(size)
+        size *= 2
+    return sorted(sizes)
+
+
+def _group_of(size: int):
+    """This rank's group of ``size`` consecutive ranks, and whether it was made here (to destroy)."""
+    if size == dist.get_world_size():
+        return dist.group.WORLD, False
+    group, _ = dist.new_subgroups(group_size=size, group_desc=f"atorch_calibrate_{size}")
+    return group, True
+
+
+def _wire_bytes(kind: str, payload: int, n: int) -> float:
+    """Bytes one rank sends in ``kind`` over ``n`` ranks, as the cost model counts them."""
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n * payload
+    if kind in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n * payload
+    return float(payload)  # send_recv
+
+
+def _fit(device: torch.device, kind: str, group, n: int) -> dict:
+    """{bandwidth, latency} of ``kind`` over ``group`` (``n`` ranks): two sizes, one line."""
+    points = []
+    for payload in MESSAGE_BYTES.get(device.type, MESSAGE_BYTES["cpu"]):
+        run = _operation(device, kind, group, n, payload // 4)
+        seconds = _median_seconds(device, run, group)
+        points.append((_wire_bytes(kind, payload // 4 * 4, n), seconds / 2 if kind == "send_recv" else seconds))
+    (small, t_small), (large, t_large) = points
+    if t_large > t_small:
+        bandwidth = (large - small) / (t_large - t_small)
+        latency = max(t_small - small / bandwidth, 1e-7)
+    else:  # noise swamped the difference: all of the large message's time is transfer
+        bandwidth, latency = large / t_large, t_small
+    return {"bandwidth": bandwidth, "latency": latency}
+
+
+def _operation(device: torch.device, kind: str, group, n: int, elements: int):
+    """A callable that runs ``kind`` once on ``elements`` fp32 elements (the whole payload)."""
+    elements -= elements % n
+    if kind == "all_reduce":
+        data = torch.zeros(elements, device=device)
+        return lambda: dist.all_reduce(data, group=group)
+    if kind == "all_gather":
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        out, part = torch.empty(elements, device=device), torch.zeros(elements // n, device=device)
+        return lambda: gather(out, part, group=group)
+    if kind == "reduce_scatter":
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        full, out = torch.zeros(elements, device=device), torch.empty(elements // n, device=device)
+        return lambda: scatter(out, full, group=group)
+    # send_recv: the first half of the group sends to the second half and hears back; one way
+    # is half the round trip.
+    ranks = dist.get_process_group_ranks(group)
+    position, half = ranks.index(dist.get_rank()), n // 2
+    data = torch.zeros(elements, device=device)
+    if position < half:
+        peer = ranks[position + half]
+
+        def ping():
+            dist.send(data, peer)
+            dist.recv(data, peer)
+    elif position < 2 * half:
+        peer = ranks[position - half]
+
+        def ping():
+            dist.recv(data, peer)
+            dist.send(data, peer)
+    else:
+        def ping():  # the odd one out of an odd-sized group
+            pass
+    return ping

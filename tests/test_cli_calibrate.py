@@ -1,0 +1,30 @@
+"""``atorch calibrate``: measures this machine's rates, caches them, prints them."""
+
+import json
+
+from atorch.cli.main import main
+
+
+def test_calibrate_one_rank_caches_and_reuses(tmp_path, capsys):
+    assert main(["calibrate", "--nproc", "1", "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    path = tmp_path / "cpu-world1.json"
+    assert "matmul: fp32" in out and "GFLOP/s" in out and str(path) in out
+    written = path.read_text()
+    assert main(["calibrate", "--nproc", "1", "--cache-dir", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(written)  # read back, not measured again
+    assert path.read_text() == written
+
+
+def test_calibrate_spawns_gloo_ranks_and_prints_each_collective(tmp_path, capsys):
+    assert main(["calibrate", "--nproc", "2", "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "send_recv"):
+        assert f"{kind} over   2 ranks" in out
+    data = json.loads((tmp_path / "cpu-world2.json").read_text())
+    assert data["calibration"]["world_size"] == 2 and data["calibration"]["threads"] == 1
+
+
+def test_calibrate_refuses_no_ranks(capsys):
+    assert main(["calibrate", "--nproc", "0"]) == 2
+    assert "--nproc" in capsys.readouterr().err
