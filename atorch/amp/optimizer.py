@@ -75,13 +75,21 @@ class AmpOptimizer:
         self.skipped_steps = 0
 
     def step(self, closure=None):
+        """One step; ``closure`` (as torch optimizers take it, and Lightning passes it) runs the
+        forward and backward first, and its loss is returned."""
+        loss = None
         if closure is not None:
-            raise ValueError("AmpOptimizer.step does not take a closure; compute the loss before calling step()")
+            # Run here, not by the inner optimizer: a GradScaler refuses a closure, and the
+            # gradients must exist before they are checked for inf/nan.
+            with torch.enable_grad():
+                loss = closure()
         if self.scaler is not None:
-            return self._scaled_step()
-        if self.skip_if_nonfinite and not self._grads_finite():
-            return self._skip()
-        return self.optimizer.step()
+            result = self._scaled_step()
+        elif self.skip_if_nonfinite and not self._grads_finite():
+            result = self._skip()
+        else:
+            result = self.optimizer.step()
+        return loss if closure is not None else result
 
     def _scaled_step(self):
         scale_before = self.scaler.get_scale()

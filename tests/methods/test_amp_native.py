@@ -121,3 +121,27 @@ def test_loss_func_returning_a_tuple():
     batch = next(iter(result.dataloader))
     loss, extra = result.loss_func(batch, result.model(**batch))
     assert extra == {"extra": 1} and loss.requires_grad
+
+
+@pytest.mark.parametrize("dtype", ["fp16", {"dtype": "bf16", "skip_if_nonfinite": True}])
+def test_step_with_a_closure_runs_it_and_steps_as_without(dtype):
+    """Lightning steps as ``optimizer.step(closure=...)``: the closure's forward and backward run
+    first, its loss comes back, and the parameters move exactly as in ``backward(); step()``."""
+    results = [_accelerate(dtype) for _ in range(2)]
+    batch = next(iter(results[0].dataloader))
+
+    def closure():
+        results[0].optim.zero_grad()
+        loss = results[0].loss_func(batch, results[0].model(**batch))
+        loss.backward()
+        return loss
+
+    loss = results[0].optim.step(closure)
+    results[1].optim.zero_grad()
+    expected = results[1].loss_func(batch, results[1].model(**batch))
+    expected.backward()
+    results[1].optim.step()
+    assert loss.item() == expected.item()
+    before = _accelerate(dtype).model.head.weight
+    assert not torch.equal(before, results[0].model.head.weight)
+    assert torch.equal(results[0].model.head.weight, results[1].model.head.weight)
