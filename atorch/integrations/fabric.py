@@ -33,6 +33,7 @@ from atorch.integrations.common import (
     needs_atorch_norm,
 )
 from atorch.integrations.lightning import _plain
+from atorch.utils.optim import unwrap_optimizer
 
 
 def _loss_of(batch: Any, output: Any) -> Any:
@@ -53,8 +54,8 @@ class AtorchFabricStrategy(DDPStrategy):
     text or a :class:`atorch.auto.Strategy` (the one applied is ``.strategy`` after
     ``fabric.setup``, saved to ``save_strategy_to`` when given). Other keyword arguments go to
     Fabric's ``DDPStrategy``. Set up one model with one optimizer (``fabric.setup(model,
-    optimizer)``; the optimizer returned is a new one over the strategy's parameters) and build an
-    LR scheduler over the optimizer ``fabric.setup`` returned. Mixed precision comes from the
+    optimizer)``; the optimizer returned is a new one, same class, over the strategy's parameters)
+    and build an LR scheduler over the optimizer ``fabric.setup`` returned. Mixed precision comes from the
     strategy, so keep Fabric's ``precision`` at ``"32-true"``. Strategies that replace the step
     raise :class:`atorch.integrations.common.TrainerStrategyError`.
     """
@@ -115,7 +116,15 @@ class AtorchFabricStrategy(DDPStrategy):
         accepted = inspect.signature(type(optimizer)).parameters
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}  # AdamW's defaults hold more
         result = self._apply(module, lambda params, **_: type(optimizer)(params, **defaults), param_groups)
-        return result.model, [result.optim], None
+        # Fabric gets the torch optimizer under atorch's wrappers (amp's skip of non-finite steps),
+        # so an LR scheduler can be built over what fabric.setup returns; optimizer_step below
+        # steps through the wrappers.
+        return result.model, [unwrap_optimizer(result.optim)], None
+
+    def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
+        if self._result is not None and optimizer is unwrap_optimizer(self._result.optim):
+            optimizer = self._result.optim
+        return super().optimizer_step(optimizer, **kwargs)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

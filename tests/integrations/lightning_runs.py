@@ -33,7 +33,7 @@ def _module_cls():
 
 
 def train_lightning(output_dir, strategy=None, steps: int = 10, lr: float = 1e-2, batch: int = BATCH,
-                    resume: str | None = None, save_at: int | None = None) -> dict:
+                    resume: str | None = None, save_at: int | None = None, precision: str = "32-true") -> dict:
     """Fit the tiny GPT-2; the global loss of every optimizer step (mean over the ranks' micro-batches)."""
     import lightning as L
     import torch.distributed as dist
@@ -70,7 +70,7 @@ def train_lightning(output_dir, strategy=None, steps: int = 10, lr: float = 1e-2
     if save_at:  # Lightning's own checkpoints, at the end of each epoch (4 steps)
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(
             dirpath=output_dir, filename="{step}", every_n_epochs=1, save_top_k=-1, save_on_train_epoch_end=True))
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=lightning_strategy, max_steps=steps,
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=lightning_strategy, precision=precision, max_steps=steps,
                         accumulate_grad_batches=2, gradient_clip_val=1.0, callbacks=callbacks,
                         default_root_dir=output_dir, logger=False, enable_checkpointing=bool(save_at),
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2,

@@ -7,7 +7,7 @@ clips at 1.0 and uses two parameter groups (weight decay off for biases and norm
 
 import pytest
 
-from tests.helpers.compare import FP32_RTOL, assert_losses_close, assert_sensitive
+from tests.helpers.compare import FP32_RTOL, LOW_PRECISION_RTOL, assert_losses_close, assert_sensitive
 from tests.helpers.dist import run_distributed
 
 # Slow (run with -m slow): the Trainer and Lightning tests cover the same strategies in the default run.
@@ -21,7 +21,7 @@ TP2 = [("parallel_mode", ([("tensor", 2), ("data", 1)], None)), "tensor_parallel
 
 
 def train_fabric(output_dir: str, strategy=None, lr: float = 1e-2, batch: int = BATCH, save_at: int | None = None,
-                 resume: str | None = None) -> dict:
+                 resume: str | None = None, precision: str = "32-true") -> dict:
     """The global loss of every optimizer step (mean over the ranks' micro-batches)."""
     import lightning as L
     import torch
@@ -37,9 +37,11 @@ def train_fabric(output_dir: str, strategy=None, lr: float = 1e-2, batch: int = 
         from atorch.integrations.fabric import AtorchFabricStrategy
 
         fabric_strategy = AtorchFabricStrategy(strategy, save_strategy_to=f"{output_dir}/atorch_strategy.json")
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=fabric_strategy)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=fabric_strategy, precision=precision)
     fabric.launch()
     model = tiny_gpt2()
+    compute_dtypes = set()
+    model.transformer.h[0].mlp.c_fc.register_forward_hook(lambda m, i, o: compute_dtypes.add(str(o.dtype)))
     no_decay = [p for n, p in model.named_parameters() if n.endswith("bias") or ".ln_" in n]
     decay = [p for p in model.parameters() if all(p is not q for q in no_decay)]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -70,7 +72,7 @@ def train_fabric(output_dir: str, strategy=None, lr: float = 1e-2, batch: int = 
         losses.append(float(total))
         if state["step"] == save_at:
             fabric.save(f"{output_dir}/step{save_at}", state)
-    return {"losses": losses, "wrapped": type(model._forward_module).__name__,
+    return {"losses": losses, "wrapped": type(model._forward_module).__name__, "compute_dtypes": sorted(compute_dtypes),
             "strategy": None if strategy is None else fabric_strategy.strategy.to_json()}
 
 
@@ -82,6 +84,8 @@ def _runs(tmp: str) -> dict:
         "fsdp + checkpoint": train_fabric(f"{tmp}/fsdp", strategy=["fsdp", "checkpoint"]),
         "tensor_parallel": train_fabric(f"{tmp}/tp", strategy=TP2, batch=2 * BATCH),
         "resumed under fsdp": train_fabric(f"{tmp}/resumed", strategy=["fsdp"], resume=f"{tmp}/ddp/step4"),
+        "reference bf16": train_fabric(f"{tmp}/reference_bf16", precision="bf16-mixed"),
+        "ddp + amp bf16": train_fabric(f"{tmp}/bf16", strategy=["parallel_mode", ("amp_native", "bf16")]),
     }
 
 
@@ -104,6 +108,14 @@ def test_a_fabric_run_saved_under_ddp_resumes_under_fsdp(runs):
     assert_sensitive(resumed["losses"], {"fresh start": saved["losses"][:6]}, FP32_RTOL)
     assert runs[0]["ddp"]["wrapped"] == "DistributedDataParallel"
     assert '"fsdp"' in runs[0]["fsdp + checkpoint"]["strategy"]
+
+
+def test_amp_bf16_matches_fabrics_own_bf16_mixed(runs):
+    run, reference = runs[0]["ddp + amp bf16"], runs[0]["reference bf16"]
+    assert run["compute_dtypes"] == reference["compute_dtypes"] == ["torch.bfloat16"]
+    assert runs[0]["reference"]["compute_dtypes"] == ["torch.float32"]
+    assert_losses_close(run["losses"], reference["losses"], LOW_PRECISION_RTOL)
+    assert_sensitive(run["losses"], {"fp32": runs[0]["reference"]["losses"]}, LOW_PRECISION_RTOL)
 
 
 def test_fabric_refuses_what_it_cannot_run():

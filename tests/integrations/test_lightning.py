@@ -7,7 +7,7 @@ clipping at 1.0, a step-wise warmup schedule and validation. Global batch 8 in e
 
 import pytest
 
-from tests.helpers.compare import FP32_RTOL, assert_losses_close, assert_sensitive
+from tests.helpers.compare import FP32_RTOL, LOW_PRECISION_RTOL, assert_losses_close, assert_sensitive
 from tests.helpers.dist import run_distributed
 from tests.integrations.lightning_runs import BATCH, train_lightning
 
@@ -44,6 +44,24 @@ def test_atorch_strategy_matches_lightning_ddp(runs, name):
 def test_the_applied_strategy_is_reported(runs):
     assert '"fsdp"' in runs[0]["fsdp + checkpoint"]["strategy"]
     assert runs[0]["ddp"]["wrapped"] == "DistributedDataParallel"
+
+
+def _bf16_runs(tmp: str) -> dict:
+    return {
+        "reference bf16": train_lightning(f"{tmp}/reference", precision="bf16-mixed", steps=6),
+        "reference fp32": train_lightning(f"{tmp}/fp32", steps=6),
+        "ddp + amp bf16": train_lightning(f"{tmp}/ddp", strategy=["parallel_mode", ("amp_native", "bf16")], steps=6),
+    }
+
+
+def test_amp_bf16_matches_lightnings_own_bf16_mixed(tmp_path):
+    """amp_native bf16 autocasts the forward as Lightning's precision="bf16-mixed" does."""
+    runs = run_distributed(_bf16_runs, 2, str(tmp_path), timeout_s=400)[0]
+    run, reference = runs["ddp + amp bf16"], runs["reference bf16"]
+    assert run["compute_dtypes"] == reference["compute_dtypes"] == ["torch.bfloat16"]
+    assert runs["reference fp32"]["compute_dtypes"] == ["torch.float32"]
+    assert_losses_close(run["losses"], reference["losses"], LOW_PRECISION_RTOL)
+    assert_sensitive(run["losses"], {"fp32": runs["reference fp32"]["losses"]}, LOW_PRECISION_RTOL)
 
 
 def _resume(tmp: str) -> dict:
