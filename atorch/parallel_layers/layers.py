@@ -103,6 +103,17 @@ class ColumnParallelLinear(nn.Module):
         return f"in={self.input_size}, out={self.output_size} (local {self.output_size_per_partition}), tp={self.world}"
 
 
+def row_parallel_matmul(x: torch.Tensor, weight: torch.Tensor, group, input_is_parallel: bool,
+                        sequence_parallel: bool) -> torch.Tensor:
+    """``x A^T`` summed over ``group`` from each rank's column slice ``weight`` of A (no bias): a
+    full ``x`` is split first unless ``input_is_parallel``; the sum is all-reduced, or
+    reduce-scattered on the sequence dim under ``sequence_parallel``."""
+    if not input_is_parallel:
+        x = scatter_to_region(x, group)
+    partial = F.linear(x, weight)
+    return reduce_scatter_to_sequence(partial, group) if sequence_parallel else reduce_from_region(partial, group)
+
+
 class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with A's columns (input features) split: rank r holds columns
     ``[r*in/tp, (r+1)*in/tp)`` of the weight; partial products are summed over ranks and the
@@ -135,13 +146,7 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_is_parallel:
-            x = scatter_to_region(x, self.group)
-        partial = F.linear(x, self.weight)
-        if self.sequence_parallel_enabled:
-            out = reduce_scatter_to_sequence(partial, self.group)
-        else:
-            out = reduce_from_region(partial, self.group)
+        out = row_parallel_matmul(x, self.weight, self.group, self.input_is_parallel, self.sequence_parallel_enabled)
         return out + self.bias if self.bias is not None else out
 
     def extra_repr(self) -> str:

@@ -18,15 +18,8 @@ from torch import nn
 from atorch import parallel_state as _state
 from atorch.errors import NotSupportedError
 from atorch.parallel_layers import ParallelEmbedding as _CoreEmbedding
-from atorch.parallel_layers.layers import _divide, _mark, _size_rank
-from atorch.parallel_layers.mappings import (
-    copy_to_region,
-    gather_from_region,
-    gather_from_sequence,
-    reduce_from_region,
-    reduce_scatter_to_sequence,
-    scatter_to_region,
-)
+from atorch.parallel_layers.layers import _divide, _mark, _size_rank, row_parallel_matmul
+from atorch.parallel_layers.mappings import copy_to_region, gather_from_region, gather_from_sequence
 
 
 def _tensor_group():
@@ -164,13 +157,8 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, input: torch.Tensor):
-        if not self.input_is_parallel:
-            input = scatter_to_region(input, self.group)
-        partial = F.linear(input, self.weight)
-        if self.sequence_parallel_enabled:
-            output = reduce_scatter_to_sequence(partial, self.group)
-        else:
-            output = reduce_from_region(partial, self.group)
+        output = row_parallel_matmul(input, self.weight, self.group, self.input_is_parallel,
+                                     self.sequence_parallel_enabled)
         if self.skip_bias_add:
             return output, self.bias
         return output + self.bias if self.bias is not None else output
