@@ -2,6 +2,8 @@
 
 import datetime
 import os
+import sys
+from types import FunctionType
 
 import torch
 import torch.distributed as dist
@@ -67,16 +69,17 @@ def _store_of_this_attempt(timeout: datetime.timedelta | None) -> dict:
 
 def shutdown() -> None:
     """Leave the job in order, on every rank, at the end: wait for the device's work, meet the
-    other ranks, then destroy the process group.
+    other ranks, destroy the process group, and make sure nothing still holds it.
 
-    A rank that tears down its connections while a peer is still sending (the last checkpoint's
-    collectives, a final all-reduce) can make gloo abort that peer at exit ("terminate called
-    without an active exception", SIGABRT), and torchrun then reports a finished job as failed,
-    or restarts it. The process groups are then released while the interpreter is whole:
-    ``destroy_process_group`` only drops torch's own references, and a group that outlives it
-    (held by a DDP reducer or a topology in a reference cycle) is destroyed at interpreter
-    finalization, where gloo's worker threads releasing their last tensors can abort the
-    process. Nothing to do in a single process.
+    Why each step: a rank that tears down its connections while a peer is still sending (the last
+    checkpoint's collectives, a final all-reduce) can make gloo abort that peer, so the ranks meet
+    first. ``destroy_process_group`` only drops torch's own references; a group that something
+    else still holds lives on, with gloo's worker and socket threads, until the interpreter
+    finalizes, and a process that tears it down there sometimes dies of SIGABRT ("terminate
+    called without an active exception") after its job has finished, which torchrun reports as a
+    failure. Some torch modules hold it by default arguments bound on their first import (see
+    :func:`_release_groups_bound_at_import`); atorch's topology and the reference cycles of a
+    DDP reducer hold it too. Nothing to do in a single process.
     """
     import gc
 
@@ -89,7 +92,43 @@ def shutdown() -> None:
     from atorch import parallel_state
 
     parallel_state.set_topology(None)
+    _release_groups_bound_at_import()
     gc.collect()
+
+
+def _release_groups_bound_at_import() -> int:
+    """Replace process groups held in the default arguments of torch.distributed's functions by
+    ``None`` (the default group, whichever it is when called); return how many were replaced.
+
+    A module such as ``torch.distributed.nn.functional`` or
+    ``torch.distributed.optim.zero_redundancy_optimizer`` evaluates ``group=dist.group.WORLD``
+    when it is first imported: imported before the process group starts, the default is None;
+    imported after (atorch imports them lazily, in a save or a strategy), it is the group itself,
+    and keeps the destroyed group alive until interpreter finalization.
+    """
+    released = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torch.distributed") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            # type(), not isinstance: some module attributes warn when their class is asked for.
+            if type(value) is FunctionType:
+                released += _release_defaults(value)
+            elif issubclass(type(value), type) and value.__module__ == name:
+                released += sum(_release_defaults(f) for f in vars(value).values() if type(f) is FunctionType)
+    return released
+
+
+def _release_defaults(function) -> int:
+    def is_group(value) -> bool:
+        return issubclass(type(value), dist.ProcessGroup)
+
+    defaults, kwdefaults = function.__defaults__ or (), function.__kwdefaults__ or {}
+    held = sum(map(is_group, (*defaults, *kwdefaults.values())))
+    if held:
+        function.__defaults__ = tuple(None if is_group(v) else v for v in defaults) or None
+        function.__kwdefaults__ = {k: None if is_group(v) else v for k, v in kwdefaults.items()} or None
+    return held
 
 
 def rank() -> int:
