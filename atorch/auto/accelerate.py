@@ -48,7 +48,7 @@ _KNOWN_KWARGS = {
     "verbose", "find_unused_parameters", "sampler_seed", "ignore_dryrun_on_load_strategy",
     # the search (docs/search.md)
     "memory_budget", "time_limit", "report_file", "max_dryruns", "dryrun_warmup_steps", "dryrun_steps",
-    "dryrun_timeout", "use_search_cache", "search_cache_dir",
+    "dryrun_timeout", "use_search_cache", "search_cache_dir", "search_only",
     "gradient_accumulation_steps",
 }
 
@@ -95,7 +95,9 @@ def auto_accelerate(
       ``ignore_dryrun_on_load_strategy``; for the search: ``memory_budget`` (bytes or "70GiB"),
       ``time_limit`` (seconds), ``report_file``, ``max_dryruns``, ``dryrun_warmup_steps``,
       ``dryrun_steps``, ``dryrun_timeout``, ``use_search_cache`` (default True: the same model,
-      data, optimizer, world and device reuse the last search's result), ``search_cache_dir``;
+      data, optimizer, world and device reuse the last search's result), ``search_cache_dir``,
+      ``search_only`` (return ``(status, None, strategy)`` without applying it: ``model`` is left
+      as it was, for a trainer that applies the strategy itself later);
       ``gradient_accumulation_steps`` (default 1): ``result.backward`` / ``result.step`` accumulate
       that many micro-batches per optimizer step, reducing gradients once (docs/user_guide.md).
 
@@ -159,6 +161,8 @@ def auto_accelerate(
     for note in notes:
         logger.info(note)
     strategy = resolve_strategy(model, strategy)
+    if kwargs.get("search_only"):
+        return True, None, strategy
 
     ctx = make_context(model)
     apply_strategy(ctx, strategy)
