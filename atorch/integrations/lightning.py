@@ -13,6 +13,7 @@ Example (``torchrun --nproc_per_node=2 examples/lightning_train.py``)::
     trainer.fit(module, dataloader)
 """
 
+import inspect
 import os
 from typing import Any
 
@@ -24,6 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy
 import atorch.checkpoint
 from atorch.auto import auto_accelerate, clip_grad_norm
 from atorch.integrations.common import (
+    SEARCH_EXCLUDED,
     TrainerStrategyError,
     check_applied,
     check_strategy,
@@ -33,6 +35,7 @@ from atorch.integrations.common import (
 
 # What a Lightning checkpoint holds beside the model and optimizer states (atorch saves those).
 _MODEL_KEYS = ("state_dict", "optimizer_states")
+REPORT_FILE = "atorch_search_report.json"  # in the Trainer's default_root_dir
 
 
 def _loss_of(batch: Any, output: Any) -> Any:
@@ -48,6 +51,58 @@ def _plain(value: Any) -> Any:
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     return value
+
+
+class _TrainingStep(torch.nn.Module):
+    """The LightningModule's ``training_step`` as a model, for the search's dry runs."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch):
+        out = self.module.training_step(batch, 0)
+        return out["loss"] if isinstance(out, dict) else out
+
+
+def search_from_lightning(module, world_size: int, options: dict):
+    """The strategy the search picks for ``module``'s training step on its training data.
+
+    Candidates are dry-run on copies of the module (``training_step`` as the forward, the
+    optimizer class and hyperparameters from ``configure_optimizers``, the batches of the
+    training dataloader ``fit`` was given); the module itself is left as it was, and its report is
+    written to the Trainer's ``default_root_dir``."""
+    trainer = module.trainer
+    source = trainer.fit_loop._data_source
+    if not source.is_defined():
+        raise TrainerStrategyError("AtorchStrategy(strategy=None) searches on the training data: pass a train "
+                                   "dataloader to fit (or define train_dataloader)")
+    loader = source.dataloader()
+    if not isinstance(loader, torch.utils.data.DataLoader) or loader.batch_size is None:
+        raise TrainerStrategyError("AtorchStrategy(strategy=None) searches on one torch DataLoader with a "
+                                   f"batch_size; fit got {type(loader).__name__}: pass a strategy instead")
+    optimizers, _ = _init_optimizers_and_lr_schedulers(module)
+    if len(optimizers) != 1:
+        raise TrainerStrategyError(f"AtorchStrategy runs one optimizer; configure_optimizers returned {len(optimizers)}")
+    optim_cls = type(optimizers[0])
+    accepted = inspect.signature(optim_cls).parameters
+    defaults = {k: v for k, v in optimizers[0].defaults.items() if k in accepted}
+    options = {"report_file": os.path.join(trainer.default_root_dir, REPORT_FILE), **options}
+    os.makedirs(trainer.default_root_dir, exist_ok=True)
+    # Detached while the search copies the module (a copy must not copy the Trainer); self.log
+    # in training_step then does nothing.
+    held, module._trainer = module._trainer, None
+    try:
+        status, _, found = auto_accelerate(
+            _TrainingStep(module), lambda params, **_: optim_cls(params, **defaults), loader.dataset,
+            lambda batch, loss: loss, dataloader_args={"batch_size": loader.batch_size * world_size,
+                                                       "collate_fn": loader.collate_fn, "drop_last": True},
+            excluded=SEARCH_EXCLUDED, search_only=True, **options)
+    finally:
+        module._trainer = held
+    if not status:
+        raise RuntimeError(f"the strategy search found no strategy that runs; see {options['report_file']}")
+    return found
 
 
 class _AtorchPrecision(Precision):
@@ -69,8 +124,11 @@ class AtorchStrategy(DDPStrategy):
     """``L.Trainer(strategy=AtorchStrategy(strategy))`` trains under an atorch strategy.
 
     ``strategy``: a list of method names and ``(name, config)`` pairs, a strategy file path, JSON
-    text or a :class:`atorch.auto.Strategy` (the one applied is ``.strategy`` after ``fit``, and
-    is saved to ``save_strategy_to`` when given). Other keyword arguments go to Lightning's
+    text or a :class:`atorch.auto.Strategy`; ``None`` searches for the fastest strategy that fits
+    ``memory_budget`` within ``time_limit`` seconds (``search_args``: more search options,
+    docs/search.md) on the training data ``fit`` gets, its report in the Trainer's
+    ``default_root_dir``. The strategy applied is ``.strategy`` after ``fit``, and is saved to
+    ``save_strategy_to`` when given. Other keyword arguments go to Lightning's
     ``DDPStrategy`` (process group backend, timeout, cluster environment). Mixed precision comes
     from the strategy (``("amp_native", "bf16")``), so keep the Trainer's ``precision`` at
     ``"32-true"``. ``configure_optimizers`` must return one optimizer (with schedulers if any).
@@ -80,15 +138,14 @@ class AtorchStrategy(DDPStrategy):
 
     strategy_name = "atorch"
 
-    def __init__(self, strategy: Any, save_strategy_to: str | None = None, **kwargs: Any):
+    def __init__(self, strategy: Any = None, save_strategy_to: str | None = None, *, memory_budget: Any = None,
+                 time_limit: float | None = None, search_args: dict | None = None, **kwargs: Any):
         precision = _AtorchPrecision()
         super().__init__(precision_plugin=precision, **kwargs)
         precision.atorch_strategy = self
-        if strategy is None:
-            raise TrainerStrategyError(
-                "AtorchStrategy applies a named strategy; search for one with atorch.auto_accelerate (or "
-                "AtorchTrainer) first and pass the saved file")
-        self._requested = check_strategy(strategy, "AtorchStrategy")
+        self._requested = None if strategy is None else check_strategy(strategy, "AtorchStrategy")
+        self._search_options = {**({} if memory_budget is None else {"memory_budget": memory_budget}),
+                                **({} if time_limit is None else {"time_limit": time_limit}), **(search_args or {})}
         self._save_strategy_to = save_strategy_to
         self.strategy = None
         self._result = None
@@ -102,6 +159,8 @@ class AtorchStrategy(DDPStrategy):
                 f"AtorchStrategy takes mixed precision from the strategy, not from the Trainer (precision={flag!r}): "
                 "leave precision at '32-true' and add ('amp_native', 'bf16') to the strategy")
         module = self.lightning_module
+        if self._requested is None:
+            self._requested = search_from_lightning(module, self.world_size, self._search_options)
         schedulers: dict = {}
 
         def optim_func(params, **_):

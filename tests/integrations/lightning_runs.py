@@ -33,7 +33,8 @@ def _module_cls():
 
 
 def train_lightning(output_dir, strategy=None, steps: int = 10, lr: float = 1e-2, batch: int = BATCH,
-                    resume: str | None = None, save_at: int | None = None, precision: str = "32-true") -> dict:
+                    resume: str | None = None, save_at: int | None = None, precision: str = "32-true",
+                    search: dict | None = None) -> dict:
     """Fit the tiny GPT-2; the global loss of every optimizer step (mean over the ranks' micro-batches)."""
     import lightning as L
     import torch.distributed as dist
@@ -58,7 +59,11 @@ def train_lightning(output_dir, strategy=None, steps: int = 10, lr: float = 1e-2
     module = _module_cls()(lr)
     module.model.transformer.h[0].mlp.c_fc.register_forward_hook(
         lambda m, i, o: compute_dtypes.add(str(o.dtype)) if torch.is_grad_enabled() else None)
-    if strategy is None:
+    if search is not None:  # strategy=None: AtorchStrategy searches
+        from atorch.integrations.lightning import AtorchStrategy
+
+        lightning_strategy = AtorchStrategy(None, save_strategy_to=f"{output_dir}/atorch_strategy.json", **search)
+    elif strategy is None:
         from lightning.pytorch.strategies import DDPStrategy
 
         lightning_strategy = DDPStrategy(process_group_backend="gloo")
@@ -80,5 +85,5 @@ def train_lightning(output_dir, strategy=None, steps: int = 10, lr: float = 1e-2
     trainer.fit(module, loader, val, ckpt_path=resume)
     return {"losses": losses, "compute_dtypes": sorted(compute_dtypes),
             "val_loss": float(trainer.callback_metrics["val_loss"]),
-            "strategy": None if strategy is None else lightning_strategy.strategy.to_json(),
+            "strategy": None if strategy is None and search is None else lightning_strategy.strategy.to_json(),
             "wrapped": wrapped[0]}

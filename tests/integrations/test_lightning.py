@@ -5,6 +5,8 @@ clipping at 1.0, a step-wise warmup schedule and validation. Global batch 8 in e
 (tensor parallel: one data rank reading 4 x 2).
 """
 
+import json
+
 import pytest
 
 from tests.helpers.compare import FP32_RTOL, LOW_PRECISION_RTOL, assert_losses_close, assert_sensitive
@@ -62,6 +64,23 @@ def test_amp_bf16_matches_lightnings_own_bf16_mixed(tmp_path):
     assert runs["reference fp32"]["compute_dtypes"] == ["torch.float32"]
     assert_losses_close(run["losses"], reference["losses"], LOW_PRECISION_RTOL)
     assert_sensitive(run["losses"], {"fp32": runs["reference fp32"]["losses"]}, LOW_PRECISION_RTOL)
+
+
+def test_the_search_runs_from_lightning(tmp_path):
+    """strategy=None: the search dry-runs training_step on fit's data; its report is in the
+    Trainer's default_root_dir, and fit trains with the winner."""
+    run = run_distributed(train_lightning, 2, str(tmp_path), search={"memory_budget": "4GiB", "time_limit": 120},
+                          timeout_s=400)[0]
+    from atorch.auto import Strategy
+    from atorch.auto.search.report import SearchReport
+
+    report = SearchReport.load(tmp_path / "atorch_search_report.json")
+    assert report.winner is not None and len(report.candidates) > 1
+    assert all(c.status != "failed" for c in report.candidates), [c.reason for c in report.candidates]
+    applied = Strategy.load(tmp_path / "atorch_strategy.json")
+    assert set(report.candidates[report.winner].names) == set(applied.opt_names)
+    assert json.loads(run["strategy"]) == json.loads(applied.to_json())
+    assert run["losses"][-1] < 0.85 * run["losses"][0]  # it trained under the winner
 
 
 def _resume(tmp: str) -> dict:
