@@ -84,6 +84,9 @@ def test_plan_search_ranks_layouts_and_finds_a_split_where_data_parallel_does_no
     plain = [r for r in rows if r["layout"] == "data=8" and not {"zero1", "zero2", "fsdp"} & set(r["names"])]
     assert plain and not any(r["fits"] for r in plain)
     assert any(r["layout"].startswith(("tensor=", "pipeline=")) for r in fitting)
+    # tensor x pipeline (mixed_parallel) layouts are costed for the planned world, not this process's
+    mixed = [r for r in result["rows"] if "tensor=" in r["layout"] and "pipeline=" in r["layout"]]
+    assert mixed and all("memory" in r for r in mixed), [r.get("reason") for r in mixed]
 
     assert main(["plan", "--search", "--profile", "h100_80gb", "--memory", "60MiB", "--hf-config", config,
                  "--world-size", "8", "--batch-size", "8", "--seq-len", "64", "--top", "100"]) == 0

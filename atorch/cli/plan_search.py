@@ -14,7 +14,7 @@ step time. Nothing runs: every figure is an estimate.
 import math
 import sys
 from collections import Counter
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 
@@ -103,7 +103,7 @@ def plan_search(model, world: int, global_batch: int, seq_len: int, profile, sta
             continue
         if index % 50 == 0:
             _progress(f"  [{index}/{len(candidates)}] costed")
-        with quiet(), _simulated_world(world):
+        with quiet():
             step, reason = cost_candidate(model, strategy, dims, state_factor, probe, "cuda")
         if step is None:
             row["reason"] = reason or "no estimate (a method cannot be costed on the meta device)"
@@ -121,20 +121,6 @@ def plan_search(model, world: int, global_batch: int, seq_len: int, profile, sta
     counts["no estimate"] = sum(1 for r in rows if "reason" in r)
     counts["fit"] = sum(1 for r in rows if r.get("fits"))
     return {"rows": rows, "counts": counts, "flops_per_token": flops_per_token, "memory": memory}
-
-
-@contextmanager
-def _simulated_world(world: int):
-    """``env.world_size()`` answers ``world`` while a candidate is resolved: a method's resolve
-    (mixed_parallel's sizes) reads the job's world size, which this one process only plans for."""
-    from atorch.distributed import env
-
-    real = env.world_size
-    env.world_size = lambda: world
-    try:
-        yield
-    finally:
-        env.world_size = real
 
 
 def _layout_config(strategy) -> dict | None:

@@ -45,6 +45,8 @@ def choose_sizes(world: int, tensor: int | None, pipeline: int | None) -> tuple[
 def resolve(model: torch.nn.Module, config: MixedParallelConfig) -> MixedParallelConfig:
     check_fields(config)
     layout_for(model)
+    if config.tensor_size and config.pipeline_size:
+        return config  # planning laid them out for the job's world size (lay_out_dims)
     tensor, pipeline = choose_sizes(env.world_size(), config.tensor_size, config.pipeline_size)
     return config.model_copy(update={"tensor_size": tensor, "pipeline_size": pipeline})
 
