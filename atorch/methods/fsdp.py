@@ -94,6 +94,10 @@ def shard(ctx: ModelContext, config: FsdpConfig) -> None:
                 ctx.topology.data_parallel_size)
 
 
+def step_locally(ctx: ModelContext, config: FsdpConfig) -> None:
+    fsdp2.local_shard_step(ctx, "fsdp")
+
+
 def cost_term(config: FsdpConfig, cost) -> None:
     from atorch.auto.search.cost import largest_unit_bytes
 
@@ -107,7 +111,7 @@ register_method(
     MethodSpec(
         name="fsdp",
         config_cls=FsdpConfig,
-        hooks={Stage.WRAP: shard},
+        hooks={Stage.WRAP: shard, Stage.OPTIMIZER: step_locally},
         description="FSDP2 full sharding of parameters, gradients and optimizer state",
         distributed_only=True,
         needs_data_parallel=True,

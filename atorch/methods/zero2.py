@@ -61,7 +61,10 @@ def shard(ctx: ModelContext, config: Zero2Config) -> None:
     )
 
 
-def wrap_fairscale(ctx: ModelContext, config: Zero2Config) -> None:
+def wrap_optimizer(ctx: ModelContext, config: Zero2Config) -> None:
+    if not config.not_use_fsdp and not config.use_ds_zero:
+        # A step over DTensors was 25 ms of DTensor dispatch against DeepSpeed's 1 ms flat step.
+        fsdp2.local_shard_step(ctx, "zero2")
     if config.not_use_fsdp:
         from fairscale.nn.data_parallel import ShardedDataParallel
 
@@ -109,7 +112,7 @@ register_method(
     MethodSpec(
         name="zero2",
         config_cls=Zero2Config,
-        hooks={Stage.WRAP: shard, Stage.OPTIMIZER: wrap_fairscale, Stage.RUNTIME: wrap_ds},
+        hooks={Stage.WRAP: shard, Stage.OPTIMIZER: wrap_optimizer, Stage.RUNTIME: wrap_ds},
         description="ZeRO-2: gradients and optimizer state sharded over data-parallel ranks",
         distributed_only=True,
         needs_data_parallel=True,

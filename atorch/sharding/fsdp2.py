@@ -162,5 +162,20 @@ def shard_model(
     return model
 
 
+def local_shard_step(ctx, method: str) -> None:
+    """Step the optimizer on the plain local shards of FSDP2's DTensors (see local_step.py)."""
+    from atorch.sharding.local_step import step_on_local_shards
+    from atorch.utils.log import logger
+
+    optim = ctx.base_optim
+    if optim is None:
+        return
+    if step_on_local_shards(optim):
+        logger.info("%s: %s steps on each rank's local shards", method, type(optim).__name__)
+    else:
+        logger.info("%s: %s is not one of the elementwise optimizers that can step on local shards; "
+                    "it steps over the DTensors (slower, same result)", method, type(optim).__name__)
+
+
 def mixed_precision(param_dtype, reduce_dtype, output_dtype) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=output_dtype)
