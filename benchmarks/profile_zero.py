@@ -1,6 +1,6 @@
 """Where one ZeRO step's time goes: atorch's zero2 against DeepSpeed ZeRO-2, under torch.profiler.
 
-    flock /tmp/atorch-mp.lock .venv/bin/python benchmarks/profile_zero.py --nproc 2 --steps 3
+    flock /tmp/atorch-mp.lock .venv/bin/python benchmarks/profile_zero.py --nproc 2 --steps 3 --repeats 7
 
 The same Llama, data and global batch as benchmarks/peers.py (wider by default, so a step takes
 over 100 ms on a 2-core CPU), in the same 2 gloo processes. After warm-up each variant runs
@@ -36,6 +36,8 @@ from benchmarks.workload import TINY, Size, atorch_step, build_llama  # noqa: E4
 VARIANTS = {
     "atorch": ["parallel_mode", "zero2"],
     "atorch-per-block": ["parallel_mode", ("zero2", {"bucket_params": 0})],  # one FSDP unit per block (before)
+    # The optimizer stepping over FSDP2's DTensors, as before atorch/sharding/local_step.py.
+    "atorch-dtensor-step": ["parallel_mode", "zero2"],
     "deepspeed": 2,
 }
 PROFILE_SIZE = Size(hidden=256, layers=4, heads=4, vocab=1024, seq=128, global_batch=8)
@@ -112,16 +114,27 @@ def _deepspeed(size: Size):
     return deepspeed_step(size, 2)
 
 
-def run(size: Size, steps: int, warmup: int, names: list[str]) -> dict:
-    """On every rank: warm up, then profile ``steps`` steps of each variant."""
+def _build(name: str, size: Size):
+    if name == "deepspeed":
+        return _deepspeed(size)
+    if name == "atorch-dtensor-step":
+        from unittest import mock
+
+        with mock.patch("atorch.sharding.local_step.step_on_local_shards", lambda optim: False):
+            return atorch_step(build_llama(size), size, VARIANTS[name])
+    return atorch_step(build_llama(size), size, VARIANTS[name])
+
+
+def run(size: Size, steps: int, warmup: int, names: list[str], repeats: int) -> dict:
+    """On every rank: warm up, then profile ``steps`` steps of each variant; with ``repeats`` > 1,
+    then time them unprofiled in interleaved blocks (harness.interleave, both orders)."""
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from atorch.utils.log import quiet
 
     with quiet():
-        fns = {name: _deepspeed(size) if name == "deepspeed" else atorch_step(build_llama(size), size, VARIANTS[name])
-               for name in names}
+        fns = {name: _build(name, size) for name in names}
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -138,6 +151,8 @@ def run(size: Size, steps: int, warmup: int, names: list[str]) -> dict:
         out[name]["top_ops"] = [(e.key, e.self_cpu_time_total / 1e3 / steps, e.count // steps)
                                 for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]]
     out["backend"] = dist.get_backend()
+    if repeats > 1:
+        out["unprofiled_s"] = harness.interleave(fns, repeats, steps, warmup=0)
     return out
 
 
@@ -153,6 +168,13 @@ def report(results: list[dict], names: list[str], size: Size, nproc: int, steps:
     rows.append(["transport events"] + [", ".join(f"{k} x{v}" for k, v in results[0][n]["transport_events"].items())
                                          or "none" for n in names])
     markdown = harness.table(header, rows)
+    if "unprofiled_s" in results[0]:
+        timed = results[0]["unprofiled_s"]  # interleave reports the slowest rank: the same on every rank
+        base = "deepspeed" if "deepspeed" in timed else names[0]
+        markdown += "\n\n" + harness.table(
+            [f"unprofiled, median of {len(timed[names[0]])} blocks of {steps} steps", *names],
+            [["ms/step"] + [harness.fmt_ms(harness.summary(timed[n])["median"]) for n in names],
+             [f"/ {base}"] + [f"{harness.ratio(timed, n, base):.3f}" for n in names]])
     harness.write(out, {"size": size.as_dict(), "nproc": nproc, "steps": steps, "ranks": results}, markdown)
     return markdown
 
@@ -166,7 +188,7 @@ def main(argv=None) -> str:
     size = TINY if args.tiny else PROFILE_SIZE
     from tests.helpers.dist import run_distributed
 
-    results = run_distributed(functools.partial(run, size, args.steps, args.warmup, names), args.nproc, timeout_s=600)
+    results = run_distributed(functools.partial(run, size, args.steps, args.warmup, names, args.repeats), args.nproc, timeout_s=600)
     markdown = report(results, names, size, args.nproc, args.steps, args.out)
     print(markdown)
     for name in names:
