@@ -34,6 +34,9 @@ from atorch.utils.files import write_text_atomic
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 REPEATS = 5
+# The small message's time is the latency, the noisiest figure on a shared machine: each of its
+# repetitions times this many messages back to back (one rank starting late shows once, not in each).
+SMALL_BATCH = 10
 # Payload bytes per message of the two-point fit: one small (latency), one large (bandwidth).
 MESSAGE_BYTES = {"cpu": (16 * 2**10, 4 * 2**20), "cuda": (64 * 2**10, 64 * 2**20)}
 # Side of the square matmuls timed per dtype.
@@ -149,7 +152,8 @@ def measure(device: torch.device) -> dict:
                "inter_node.bandwidth": f"{how}: all-reduce over every rank" if world > local else
                "the intra-node link (every rank is on one node)",
                "collectives": f"{how}: latency + bytes / bandwidth through two message sizes "
-                              f"{MESSAGE_BYTES.get(device.type, MESSAGE_BYTES['cpu'])} bytes, median of {REPEATS}, "
+                              f"{MESSAGE_BYTES.get(device.type, MESSAGE_BYTES['cpu'])} bytes (the small {SMALL_BATCH} at a time), median "
+                              f"of {REPEATS}, "
                               "the slowest rank's; bytes as the cost model counts them per rank"}
     return from_rank0({
         "name": f"calibrated-{device_name(device)}-world{world}",
@@ -181,9 +185,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_seconds(device: torch.device, run, group=None) -> float:
-    """Median wall time of ``run()`` over REPEATS (after one warm-up), the slowest rank's.
-    With ``group``, its ranks start each repetition together."""
+def _median_seconds(device: torch.device, run, group=None, batch: int = 1) -> float:
+    """Median wall time of ``run()`` over REPEATS (after one warm-up), the slowest rank's; each
+    repetition runs it ``batch`` times and counts the mean. With ``group``, its ranks start each
+    repetition together."""
     run()
     times = []
     for _ in range(REPEATS):
@@ -191,9 +196,10 @@ def _median_seconds(device: torch.device, run, group=None) -> float:
             dist.barrier(group=group)
         _sync(device)
         start = time.perf_counter()
-        run()
+        for _ in range(batch):
+            run()
         _sync(device)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / batch)
     return max_each(statistics.median(times))[0]
 
 
@@ -247,9 +253,9 @@ def _wire_bytes(kind: str, payload: int, n: int) -> float:
 def _fit(device: torch.device, kind: str, group, n: int) -> dict:
     """{bandwidth, latency} of ``kind`` over ``group`` (``n`` ranks): two sizes, one line."""
     points = []
-    for payload in MESSAGE_BYTES.get(device.type, MESSAGE_BYTES["cpu"]):
+    for payload, batch in zip(MESSAGE_BYTES.get(device.type, MESSAGE_BYTES["cpu"]), (SMALL_BATCH, 1)):
         run = _operation(device, kind, group, n, payload // 4)
-        seconds = _median_seconds(device, run, group)
+        seconds = _median_seconds(device, run, group, batch)
         points.append((_wire_bytes(kind, payload // 4 * 4, n), seconds / 2 if kind == "send_recv" else seconds))
     (small, t_small), (large, t_large) = points
     if t_large > t_small:
