@@ -43,6 +43,20 @@ def test_sharding_divides_what_it_shards():
     assert fsdp.gathered == 2 * (64 * 64 + 64) * 4
 
 
+def test_zero2_on_fsdp2_counts_shards_whole_units_and_their_gradients():
+    # FSDP2 (reshard_after_forward=False) holds each shard and every unit whole from its forward on;
+    # a unit's gradients are whole until its reduce-scatter. The default bucket makes this toy one unit.
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    whole = 2 * (64 * 64 + 64) * 4
+    zero2 = estimate_memory(model, Strategy(["zero2"]), 2, 2.0, 0)
+    assert zero2.params == whole / 2 + whole and zero2.gathered == whole and zero2.grads == whole / 2
+    amp = estimate_memory(model, Strategy([("amp_native", "bf16"), "zero2"]), 2, 2.0, 0)
+    assert amp.params == whole / 2 + whole / 2 and amp.gathered == whole / 2  # gathered in bf16
+    # DeepSpeed's ZeRO-2 keeps whole parameters and no units
+    ds = estimate_memory(model, Strategy([("zero2", {"use_ds_zero": True})]), 2, 2.0, 0)
+    assert ds.params == whole and ds.gathered == 0
+
+
 def _ratios():
     from atorch.auto.search import measure
     from tests.helpers.models import TinyTransformer, TokenDataset, lm_loss
