@@ -226,6 +226,17 @@ def search(
     runnable.sort(key=lambda item: (item[1].estimated_step_seconds is None,
                                     round(item[1].estimated_step_seconds or 0.0, 9), len(item[0])))
     to_run = runnable[: options.max_dryruns]
+
+    def surely(result) -> bool:
+        return cost.surely_fits(result.estimated_peak_bytes, budget, ratios.get(id(result), ratio))
+
+    if to_run and not any(surely(r) for _, r in to_run):
+        # Near-boundary candidates may all measure over the budget: the last slot goes to the
+        # fastest candidate sure to fit, when there is one, so max_dryruns never leaves the
+        # search without an answer that was there.
+        safe = next(((s, r) for s, r in runnable[len(to_run):] if surely(r)), None)
+        if safe is not None:
+            to_run = to_run[:-1] + [safe]
     for s, r in results:
         if r.reason is None and (s, r) not in to_run:
             r.reason, r.pruned_by = f"not dry-run: max_dryruns={options.max_dryruns} reached", MAX_DRYRUNS

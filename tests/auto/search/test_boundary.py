@@ -118,3 +118,18 @@ def test_a_budget_nothing_meets_returns_false_and_says_what_would_fit(tmp_path, 
     assert f"larger memory budget (>= {size_text(getattr(smallest, peak))})" in note, note
     assert (how == "measured") == any(c.status == "failed" and "measured peak" in c.reason
                                       for c in report.candidates), report.table()
+
+
+def test_max_dryruns_keeps_a_slot_for_a_candidate_sure_to_fit(tmp_path):
+    """15.5 MiB, one dry run: zero2 is estimated fastest but near the boundary (it measures 16.2
+    MiB, over); fsdp is estimated at 12.2 MiB, within the budget even at the estimate's error.
+    The one dry run goes to fsdp, so the search answers; before, it ran zero2 and returned
+    status False although a strategy that fits was in its space."""
+    results = run_distributed(search_mlp, 2, str(tmp_path / "report.json"), "15.5MiB", max_dryruns=1)
+    assert results[0]["status"] and results[0]["strategy"] == results[1]["strategy"]
+    report = SearchReport.load(tmp_path / "report.json")
+    winner = report.candidates[report.winner]
+    assert report.dry_run == 1 and winner.measured_peak_bytes <= 15.5 * MIB
+    faster = [c for c in report.candidates if c.estimated_step_seconds is not None
+              and c.estimated_step_seconds < winner.estimated_step_seconds and "max_dryruns" in (c.reason or "")]
+    assert faster, "a faster candidate near the boundary was left for the one sure to fit"
