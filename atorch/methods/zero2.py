@@ -118,13 +118,16 @@ def _fsdp2_terms(config: Zero2Config, cost) -> None:
     estimate was 0.72-0.88 of the measured peak, with them 0.85-1.03."""
     from atorch.auto.search.cost import largest_unit_bytes
 
-    low = 0.5 if "amp_native" in cost.methods else 1.0  # FSDP2 gathers in amp's 2-byte dtype
+    numel = sum(p.numel() for p in cost.model.parameters()) or 1
     whole = cost.param_bytes() * cost.weight_scale * cost.split * cost.stage_share
+    element = cost.param_bytes() * cost.weight_scale / numel
+    low = min(1.0, 2 / element) if "amp_native" in cost.methods else 1.0  # FSDP2 gathers in amp's 2-byte dtype
     cost.params = whole / cost.dp_size + whole * low
     trainable = cost.param_bytes(trainable_only=True) * cost.weight_scale * cost.split * cost.stage_share
     if config.bucket_params > 0:  # consecutive blocks share a unit up to bucket_params parameters
-        numel = sum(p.numel() for p in cost.model.parameters() if p.requires_grad) or 1
-        unit = min(trainable, config.bucket_params * trainable / numel)
+        trainable_numel = sum(p.numel() for p in cost.model.parameters() if p.requires_grad) or 1
+        # bucket_params counts parameters of the whole model, not of this rank's stage share
+        unit = min(trainable, config.bucket_params * trainable / (trainable_numel * cost.stage_share))
     else:
         blocks = [class_name(c) for c in find_block_classes(cost.model)]
         unit = largest_unit_bytes(cost.model, blocks) * cost.weight_scale * cost.split
