@@ -31,7 +31,9 @@ def _zero_optimizer(ctx: ModelContext):
 
     from atorch.sharding.local_step import step_on_local_shards
 
-    params = list(ctx.optim_params())
+    # Groups' parameter iterables listed once: the dtype check below must not use them up.
+    params = [dict(item, params=list(item["params"])) if isinstance(item, dict) else item
+              for item in ctx.optim_params()]
     optim = ZeroRedundancyOptimizer(
         params,
         optimizer_class=ctx.optim_func,
