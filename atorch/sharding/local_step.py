@@ -23,6 +23,8 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
+from atorch.utils.log import logger
+
 # Optimizers whose update of an element reads only that element (no norms, no factored moments,
 # no line search): stepping each shard alone is the same as stepping the whole tensor. Exact
 # classes only: a subclass may override step with something that is not elementwise.
@@ -63,6 +65,10 @@ def _local_step(self: torch.optim.Optimizer, closure: Callable | None = None):
     with torch.no_grad():
         plan = _local_plan(self)
     if plan is None:
+        if not getattr(self, "_atorch_fallback_logged", False):
+            self._atorch_fallback_logged = True
+            logger.warning("%s: a parameter, its gradient or its state is not a plain shard (0-dim, partial, or "
+                           "laid out otherwise): steps run over the DTensors (slower, same result)", type(self).__name__)
         type(self).step(self)
         return loss
     saved = [(group["params"], group.get("foreach")) for group in self.param_groups]
