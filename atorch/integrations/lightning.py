@@ -71,7 +71,11 @@ def search_from_lightning(module, world_size: int, options: dict):
     Candidates are dry-run on copies of the module (``training_step`` as the forward, the
     optimizer class and hyperparameters from ``configure_optimizers``, the batches of the
     training dataloader ``fit`` was given); the module itself is left as it was, and its report is
-    written to the Trainer's ``default_root_dir``."""
+    written to the Trainer's ``default_root_dir``. The copies have no Trainer: ``self.log`` in
+    ``training_step`` does nothing there, and a ``training_step`` that reads ``self.trainer``
+    fails every candidate (pass a strategy instead). The search's global batch is the loader's
+    ``batch_size`` times the world size, also for tensor-parallel candidates, whose ranks read one
+    batch in training: their dry runs see a larger batch than training will."""
     trainer = module.trainer
     source = trainer.fit_loop._data_source
     if not source.is_defined():
@@ -97,7 +101,7 @@ def search_from_lightning(module, world_size: int, options: dict):
             _TrainingStep(module), lambda params, **_: optim_cls(params, **defaults), loader.dataset,
             lambda batch, loss: loss, dataloader_args={"batch_size": loader.batch_size * world_size,
                                                        "collate_fn": loader.collate_fn, "drop_last": True},
-            excluded=SEARCH_EXCLUDED, search_only=True, **options)
+            excluded=sorted({*SEARCH_EXCLUDED, *options.pop("excluded", ())}), search_only=True, **options)
     finally:
         module._trainer = held
     if not status:
