@@ -203,9 +203,12 @@ def search(
                 result.reason, result.pruned_by = OVER_BUDGET.format(ratio[1]), OVER_BUDGET_RULE
         results.append((strategy, result))
 
+    def surely(result) -> bool:
+        """Within the budget even at the low end of its estimate's known error."""
+        return cost.surely_fits(result.estimated_peak_bytes, budget, ratios.get(id(result), ratio))
+
     # A twin that may not fit (near the boundary, or not estimated) prunes nothing.
-    fits = {id(s) for s, r in results
-            if r.reason is None and cost.surely_fits(r.estimated_peak_bytes, budget, ratios.get(id(r), ratio))}
+    fits = {id(s) for s, r in results if r.reason is None and surely(r)}
     for strategy, result in results:
         if result.reason is not None or only is not None:
             continue
@@ -226,10 +229,6 @@ def search(
     runnable.sort(key=lambda item: (item[1].estimated_step_seconds is None,
                                     round(item[1].estimated_step_seconds or 0.0, 9), len(item[0])))
     to_run = runnable[: options.max_dryruns]
-
-    def surely(result) -> bool:
-        return cost.surely_fits(result.estimated_peak_bytes, budget, ratios.get(id(result), ratio))
-
     if to_run and not any(surely(r) for _, r in to_run):
         # Near-boundary candidates may all measure over the budget: the last slot goes to the
         # fastest candidate sure to fit, when there is one, so max_dryruns never leaves the
@@ -286,7 +285,7 @@ def search(
         # Out of time before any measurement: the simplest candidate that fits the budget even by
         # the estimate's lowest reading is the safe answer, and the report says it was not measured.
         safe = [(s, r) for s, r in results
-                if r.status != FAILED and cost.surely_fits(r.estimated_peak_bytes, budget, ratios.get(id(r), ratio))]
+                if r.status != FAILED and surely(r)]
         winner = min(safe, key=lambda item: len(item[0]), default=None)
         if winner is not None:
             report.note = (f"time_limit of {options.time_limit:g}s reached before any candidate was measured: the "
