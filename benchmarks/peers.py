@@ -1,9 +1,10 @@
 """atorch against what users would otherwise run: Hugging Face Accelerate and DeepSpeed.
 
-    .venv/bin/python benchmarks/peers.py --nproc 2 --repeats 7 --steps 5
+    .venv/bin/python benchmarks/peers.py --nproc 2 --repeats 9 --steps 5
 
-The same small Llama, data and global batch, strategy for strategy, in the same 2 gloo
-processes, timed in interleaved blocks:
+The same Llama (workload.MEDIUM, a step of 250-350 ms), data and global batch, strategy for
+strategy, in the same 2 gloo processes, timed in interleaved blocks (each repetition alternates
+which side runs first):
 - DDP and bf16 autocast: atorch vs Accelerate (``Accelerator(cpu=True)``, its documented loop);
 - ZeRO-1, ZeRO-2, and FSDP vs ZeRO-3: atorch (PyTorch-native back-ends) vs ``deepspeed.initialize``.
 Accelerate's FSDP plugin is not compared: on a CPU-only machine Accelerate prepares DDP whatever
@@ -19,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import harness  # noqa: E402
-from benchmarks.workload import TINY, Size, Tokens, atorch_step, batches, build_llama  # noqa: E402
+from benchmarks.workload import MEDIUM, TINY, Size, Tokens, atorch_step, batches, build_llama  # noqa: E402
 
 # strategy -> (atorch strategy, peer, peer option)
 ROWS = {
@@ -119,7 +120,7 @@ def main(argv=None) -> str:
                             tiny="a toy size that only shows the benchmark runs")
     args = parser.parse_args(argv)
     names = harness.choices(parser, args.strategies, ROWS, "strategies")
-    size = TINY if args.tiny else Size()
+    size = TINY if args.tiny else MEDIUM
     from tests.helpers.dist import run_distributed
 
     rows = run_distributed(functools.partial(run, names, size, args.repeats, args.steps), args.nproc, timeout_s=3600)[0]

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import harness  # noqa: E402
-from benchmarks.workload import TINY, Size, atorch_step, build_llama  # noqa: E402
+from benchmarks.workload import MEDIUM, TINY, Size, atorch_step, build_llama  # noqa: E402
 
 VARIANTS = {
     "atorch": ["parallel_mode", "zero2"],
@@ -40,7 +40,7 @@ VARIANTS = {
     "atorch-dtensor-step": ["parallel_mode", "zero2"],
     "deepspeed": 2,
 }
-PROFILE_SIZE = Size(hidden=256, layers=4, heads=4, vocab=1024, seq=128, global_batch=8)
+PROFILE_SIZE = MEDIUM
 BUCKETS = ("compute", "communication", "copies", "optimizer", "python")
 COMM = ("c10d::", "gloo:", "all_gather", "allgather", "reduce_scatter", "reducescatter", "all_reduce", "allreduce",
         "broadcast", "record_param_comms", "wait", "barrier", "inference_all_reduce", "shm")
