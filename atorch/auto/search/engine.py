@@ -31,7 +31,8 @@ TIE_TOLERANCE = 0.03
 DOMINANCE = 2.0
 # Why a candidate was pruned, as counted in the report (SearchReport.pruned).
 INELIGIBLE, SYMMETRIC, CONFIG_ERROR, OVER_BUDGET_RULE = "ineligible", "symmetric", "config_error", "over_budget"
-MEMORY_ONLY, DOMINATED, MAX_DRYRUNS, TIME_LIMIT = "memory_only", "dominated", "max_dryruns", "time_limit"
+MEMORY_ONLY, SLOWER, DOMINATED = "memory_only", "slower", "dominated"
+MAX_DRYRUNS, TIME_LIMIT = "max_dryruns", "time_limit"
 DUPLICATE = "the same as another candidate on this model (a method in it would change nothing)"
 OVER_BUDGET = "estimated peak memory is over the memory budget beyond the estimate's error (x{:g})"
 
@@ -207,19 +208,9 @@ def search(
         """Within the budget even at the low end of its estimate's known error."""
         return cost.surely_fits(result.estimated_peak_bytes, budget, ratios.get(id(result), ratio))
 
-    # A twin that may not fit (near the boundary, or not estimated) prunes nothing.
-    fits = {id(s) for s, r in results if r.reason is None and surely(r)}
-    for strategy, result in results:
-        if result.reason is not None or only is not None:
-            continue
-        for name in strategy.opt_names:
-            twin = strategy.without(name)
-            twin_entry = next(((s, r) for s, r in results if s == twin), None)
-            if get_method(name).memory_only and twin_entry is not None and id(twin_entry[0]) in fits:
-                result.reason = f"{name} only saves memory, and the same strategy without it fits the budget"
-                result.pruned_by = MEMORY_ONLY
-                break
     if only is None:
+        # A twin that may not fit (near the boundary, or not estimated) prunes nothing.
+        _prune_twins(results, {id(s) for s, r in results if r.reason is None and surely(r)})
         _prune_dominated(results)
 
     # Dry runs go in order of estimated step time (fastest first, the simpler on a tie; those with
@@ -304,6 +295,40 @@ def _layout_config(strategy: Strategy) -> dict | None:
         if get_method(name).layouts is not None:
             return config.model_dump()
     return None
+
+
+def _prune_twins(results, fits: set[int]) -> None:
+    """Prune a candidate when the same strategy less one of its methods surely fits the budget
+    (its ``id`` in ``fits``) and that method cannot pay for itself: it only saves memory
+    (``memory_only`` in the registry), or it is estimated to slow this step (``_slower_by``)."""
+    for strategy, result in results:
+        if result.reason is not None:
+            continue
+        for name in strategy.opt_names:
+            twin = next(((s, r) for s, r in results if s == strategy.without(name)), None)
+            if twin is None or id(twin[0]) not in fits:
+                continue
+            if get_method(name).memory_only:
+                result.reason = f"{name} only saves memory, and the same strategy without it fits the budget"
+                result.pruned_by = MEMORY_ONLY
+                break
+            slower = _slower_by(result, twin[1])
+            if slower is not None and get_method(name).layouts is None:
+                result.reason = (f"{name} is estimated to make the step {slower:.2f}x slower here, and the same "
+                                 f"strategy without it fits the budget")
+                result.pruned_by = SLOWER
+                break
+
+
+def _slower_by(result, twin) -> float | None:
+    """How many times slower ``result`` is estimated than ``twin`` (the same strategy less one
+    method), when it is; None when it is not, or either has no estimate. One method's own time
+    term is all that differs between the two, so its sign is more trustworthy than a comparison
+    across layouts, which needs DOMINANCE (e.g. bf16 autocast on a CPU: casts, no faster matmul)."""
+    if result.estimated_step_seconds is None or not twin.estimated_step_seconds:
+        return None
+    slower = result.estimated_step_seconds / twin.estimated_step_seconds
+    return slower if slower > 1.0 else None
 
 
 def _prune_dominated(results) -> None:

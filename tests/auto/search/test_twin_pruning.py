@@ -1,0 +1,61 @@
+"""The search's twin rules (engine._prune_twins): a candidate is pruned when the same strategy less
+one of its methods surely fits the budget and that method cannot pay for itself, because it only
+saves memory, or because the cost model says it slows the step (bf16 autocast on a CPU)."""
+
+from atorch.auto.search.engine import MEMORY_ONLY, SLOWER, _prune_twins
+from atorch.auto.search.report import CandidateResult
+from atorch.auto.strategy import Strategy
+
+AMP = ("amp_native", "bf16")
+
+
+def _candidates(**seconds):
+    """(strategy, result) pairs named plain, amp, checkpoint, with the given estimated seconds."""
+    methods = {"plain": ["parallel_mode"], "amp": ["parallel_mode", AMP],
+               "checkpoint": ["parallel_mode", "checkpoint"]}
+    out = {}
+    for name, step in seconds.items():
+        strategy = Strategy(methods[name])
+        out[name] = (strategy, CandidateResult(strategy.to_dict(), estimated_peak_bytes=1,
+                                               estimated_step_seconds=step))
+    return out
+
+
+def test_a_method_estimated_to_slow_the_step_is_pruned_when_its_twin_fits():
+    c = _candidates(plain=1.0, amp=1.4)
+    _prune_twins(list(c.values()), fits={id(c["plain"][0])})
+    assert c["amp"][1].pruned_by == SLOWER
+    assert "amp_native is estimated to make the step 1.40x slower" in c["amp"][1].reason
+    assert c["plain"][1].reason is None
+
+
+def test_a_method_estimated_to_speed_the_step_up_stays():
+    c = _candidates(plain=1.0, amp=0.6)
+    _prune_twins(list(c.values()), fits={id(c["plain"][0])})
+    assert c["amp"][1].reason is None
+
+
+def test_an_equal_estimate_prunes_nothing():
+    """A method with no time term of its own must be measured, not guessed slower."""
+    c = _candidates(plain=1.0, amp=1.0)
+    _prune_twins(list(c.values()), fits={id(c["plain"][0])})
+    assert c["amp"][1].reason is None
+
+
+def test_a_twin_that_may_not_fit_prunes_nothing():
+    """Near the boundary the slower method may be what makes the candidate fit: it is dry-run."""
+    c = _candidates(plain=1.0, amp=1.4, checkpoint=1.2)
+    _prune_twins(list(c.values()), fits=set())
+    assert all(result.reason is None for _, result in c.values())
+
+
+def test_a_memory_only_method_is_pruned_whatever_its_estimate():
+    c = _candidates(plain=1.0, checkpoint=0.9)
+    _prune_twins(list(c.values()), fits={id(c["plain"][0])})
+    assert c["checkpoint"][1].pruned_by == MEMORY_ONLY
+
+
+def test_a_candidate_without_an_estimate_is_not_pruned_as_slower():
+    c = _candidates(plain=1.0, amp=None)
+    _prune_twins(list(c.values()), fits={id(c["plain"][0])})
+    assert c["amp"][1].reason is None
