@@ -67,6 +67,30 @@ def _store_of_this_attempt(timeout: datetime.timedelta | None) -> dict:
             "world_size": int(os.environ["WORLD_SIZE"])}
 
 
+def destroy_groups(groups) -> None:
+    """Destroy these process groups (the default group is left alone), first making DTensor
+    forget the meshes built on them.
+
+    DTensor memoizes each op's output sharding keyed by its inputs' specs, and a ``DeviceMesh``
+    compares equal to another over the same ranks and dim names whatever its process groups. A
+    later mesh over the same ranks (the next dry run's) then hits that memo, and its op outputs
+    carry the dead mesh, whose next collective fails with "Could not resolve the process group
+    registered under the name N". The memo is cleared while the groups still exist.
+    """
+    _forget_dtensor_shardings()
+    for group in groups:
+        if group is not None and group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+
+
+def _forget_dtensor_shardings() -> None:
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # a torch without the memo's reset: nothing to clear through it
+        return
+    _clear_sharding_prop_cache()
+
+
 def shutdown() -> None:
     """Leave the job in order, on every rank, at the end: wait for the device's work, meet the
     other ranks, destroy the process group, and make sure nothing still holds it.
@@ -88,6 +112,7 @@ def shutdown() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     dist.barrier()
+    _forget_dtensor_shardings()  # a later init_distributed in this process gets fresh meshes
     dist.destroy_process_group()
     from atorch import parallel_state
 

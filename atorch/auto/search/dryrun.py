@@ -22,6 +22,7 @@ from atorch.auto.context import ModelContext, run_model
 from atorch.auto.plan import resolve_strategy
 from atorch.auto.search.agree import agreement_group, all_ok, first_error, max_each, max_over_ranks
 from atorch.auto.strategy import Strategy
+from atorch.distributed.env import destroy_groups
 from atorch.distributed.topology import collective_timeout
 from atorch.utils.log import logger
 from atorch.utils.optim import unwrap_optimizer
@@ -54,9 +55,7 @@ def _release(ctx: ModelContext | None) -> None:
         groups = set(ctx.topology.mesh.get_all_groups())
         if ctx.topology.data_parallel_group is not None:
             groups.add(ctx.topology.data_parallel_group)
-        for group in groups:
-            if group is not dist.GroupMember.WORLD:
-                dist.destroy_process_group(group)
+        destroy_groups(groups)
     gc.collect()
 
 
