@@ -67,11 +67,11 @@ def measure_all(workload: str) -> list[dict]:
 
 
 def run(nproc: int) -> list[dict]:
-    from tests.helpers.dist import run_distributed
+    from atorch.distributed.local import run_local
 
     rows = []
     for workload in WORKLOADS:
-        rows += run_distributed(measure_all, nproc, workload, timeout_s=1800)[0] if nproc > 1 else measure_all(workload)
+        rows += run_local(measure_all, nproc, (workload,), timeout_s=1800)[0] if nproc > 1 else measure_all(workload)
     return rows
 
 

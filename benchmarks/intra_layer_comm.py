@@ -202,10 +202,10 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="only the smaller layer size (quick)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from tests.helpers.dist import run_distributed
+    from atorch.distributed.local import run_local
 
     sizes = SIZES[:1] if args.small else SIZES
-    rows = run_distributed(measure, args.nproc, sizes, timeout_s=1800)[0]
+    rows = run_local(measure, args.nproc, (sizes,), timeout_s=1800)[0]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/intra_layer_comm.py " + " ".join(sys.argv[1:])

@@ -94,10 +94,10 @@ def main(argv=None) -> str:
     args = parser.parse_args(argv)
     names = harness.choices(parser, args.strategies, STRATEGIES, "strategies")
     size = TINY if args.tiny else MEDIUM
-    from tests.helpers.dist import run_distributed
+    from atorch.distributed.local import run_local
 
     job = functools.partial(run, names, size, args.repeats, args.steps)
-    rows = run_distributed(job, args.nproc, timeout_s=3600)[0]
+    rows = run_local(job, args.nproc, timeout_s=3600)[0]
     markdown = report(rows, size, args.nproc, args.repeats, args.steps, args.out, args.plot or None)
     print(markdown)
     return markdown

@@ -121,9 +121,9 @@ def main(argv=None) -> str:
     args = parser.parse_args(argv)
     names = harness.choices(parser, args.strategies, ROWS, "strategies")
     size = TINY if args.tiny else MEDIUM
-    from tests.helpers.dist import run_distributed
+    from atorch.distributed.local import run_local
 
-    rows = run_distributed(functools.partial(run, names, size, args.repeats, args.steps), args.nproc, timeout_s=3600)[0]
+    rows = run_local(functools.partial(run, names, size, args.repeats, args.steps), args.nproc, timeout_s=3600)[0]
     markdown = report(rows, size, args.nproc, args.repeats, args.steps, args.out, args.plot or None)
     print(markdown)
     return markdown

@@ -242,21 +242,21 @@ def main(argv=None) -> str:
     microbatches = [int(m) for m in args.microbatches.split(",") if m]
     if args.layers < VIRTUAL * args.nproc:
         parser.error(f"--layers must be at least {VIRTUAL * args.nproc} to give every interleaved stage a block")
-    from tests.helpers.dist import run_distributed
+    from atorch.distributed.local import run_local
 
     if args.traced:
         if args.out == str(harness.RESULTS / "pipeline_bubble"):
             args.out = str(harness.RESULTS / "pipeline_traced")
         job = functools.partial(run_traced, microbatches, args.width, args.layers, args.micro, args.repeats, args.steps)
         load_before = os.getloadavg()[0]
-        rows = run_distributed(job, args.nproc, timeout_s=3600)[0]
+        rows = run_local(job, args.nproc, timeout_s=3600)[0]
         args.load = {"before": load_before, "after": os.getloadavg()[0], "cpus": os.cpu_count()}
         markdown = report_traced(rows, args)
         print(markdown)
         return markdown
     job = functools.partial(run, microbatches, args.width, args.layers, args.micro, args.repeats, args.steps)
     load_before = os.getloadavg()[0]
-    rows = run_distributed(job, args.nproc, timeout_s=3600)[0]
+    rows = run_local(job, args.nproc, timeout_s=3600)[0]
     # These machines are shared: the load says how much else competed for the cores.
     args.load = {"before": load_before, "after": os.getloadavg()[0], "cpus": os.cpu_count()}
     markdown = report(rows, args)

@@ -186,9 +186,9 @@ def main(argv=None) -> str:
     args = parser.parse_args(argv)
     names = harness.choices(parser, args.variants, VARIANTS, "variants")
     size = TINY if args.tiny else PROFILE_SIZE
-    from tests.helpers.dist import run_distributed
+    from atorch.distributed.local import run_local
 
-    results = run_distributed(functools.partial(run, size, args.steps, args.warmup, names, args.repeats), args.nproc, timeout_s=600)
+    results = run_local(functools.partial(run, size, args.steps, args.warmup, names, args.repeats), args.nproc, timeout_s=600)
     markdown = report(results, names, size, args.nproc, args.steps, args.out)
     print(markdown)
     for name in names:

@@ -299,10 +299,10 @@ def main(argv=None) -> str:
     parser.set_defaults(nproc=4)
     args = parser.parse_args(argv)
     names = harness.choices(parser, args.scenarios, SCENARIOS, "scenarios")
-    from tests.helpers.dist import run_distributed
+    from atorch.distributed.local import run_local
 
     with tempfile.TemporaryDirectory() as report_dir:
-        results = run_distributed(functools.partial(run, names, args.tiny, args.repeats, args.steps, report_dir),
+        results = run_local(functools.partial(run, names, args.tiny, args.repeats, args.steps, report_dir),
                                   args.nproc, timeout_s=3600)[0]
     markdown = report(results, args.nproc, args.out, args.plot or None)
     print(markdown)

@@ -11,7 +11,6 @@ The search reads them from a cache kept per device type and world size (see
 
 import json
 import os
-import socket
 
 import torch
 
@@ -74,43 +73,14 @@ def _calibrate_here(device: str, refresh: bool, cache_dir, as_json: bool) -> tup
             atorch.shutdown()
 
 
-def _worker(rank: int, nproc: int, port: int, args, device: str, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc))
-    _threads(args.threads, nproc)
-    try:
-        result = _calibrate_here(device, args.refresh, args.cache_dir, args.json)
-        queue.put((rank, None, result))
-    except BaseException as error:  # noqa: BLE001 - the parent reports it
-        queue.put((rank, f"{type(error).__name__}: {error}", None))
-
-
 def _spawn(args, device: str) -> tuple[str, str | None]:
-    import torch.multiprocessing as mp
+    from atorch.distributed.local import LocalRunError, run_local
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, args.nproc, port, args, device, queue)) for r in range(args.nproc)]
-    for proc in procs:
-        proc.start()
-    results, errors = {}, {}
     try:
-        for _ in procs:
-            rank, error, result = queue.get(timeout=300)
-            (errors if error else results)[rank] = error or result
-            if errors:
-                break
-    finally:
-        for proc in procs:
-            proc.join(timeout=10 if not errors else 1)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    if errors:
-        raise RuntimeError("calibration failed: " + "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
+        results = run_local(_calibrate_here, args.nproc, (device, args.refresh, args.cache_dir, args.json),
+                            backend="nccl" if device == "cuda" else "gloo", timeout_s=300, threads=args.threads or 1)
+    except LocalRunError as error:
+        raise RuntimeError(f"calibration failed: {error}") from None
     return results[0]
 
 
