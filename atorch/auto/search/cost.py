@@ -14,7 +14,9 @@ used). The formula's terms are kept apart so the report can show where the memor
 """
 
 import copy
+import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -106,7 +108,35 @@ class _SavedBytes:
         if key not in self._seen and not isinstance(tensor, torch.nn.Parameter):
             self._seen.add(key)
             self.by_dtype[tensor.dtype] = self.by_dtype.get(tensor.dtype, 0) + storage.nbytes()
-        return tensor
+        # Detached: the same storage stays alive with the graph (so no later tensor reuses its
+        # address while counting), but without its grad_fn. Returning the tensor itself would tie
+        # an op's saved output to the node that saves it, a cycle through C++ that the garbage
+        # collector cannot see: every probe kept its model copy's parameters and activations.
+        return tensor.detach()
+
+
+def free_copy(model: torch.nn.Module, extra: Iterable = ()) -> None:
+    """Give back the memory of a model copy the search is done with: its parameters, buffers and
+    their gradients, and the tensors in ``extra`` (its optimizer state).
+
+    Something may keep the tensor objects alive after the copy is dropped: torch's MemTracker
+    leaves a reference to each parameter it saw, from C++, and a checkpointed block's autograd
+    node holds its forward (the module) in a cycle through C++ that the garbage collector cannot
+    see. A layout search over a big model probes and dry-runs dozens of copies in one process,
+    so their storage is released here, whoever keeps the objects.
+    """
+    from torch.distributed.tensor import DTensor
+
+    tensors = list(extra)
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        tensors += [t, t.grad]
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if torch.is_tensor(local) and local.device.type != "meta":
+            try:
+                local.untyped_storage().resize_(0)
+            except RuntimeError:  # a storage that cannot be resized (borrowed from elsewhere): left to gc
+                pass
 
 
 def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, stages,
@@ -134,6 +164,8 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
         output = run_model(ctx.model, batch, model_input_format)
         if loss_func is not None:
             loss_func(batch, output)
+    del output
+    free_copy(probe)
     if flops is not None:
         flops.append(flop_counter.get_total_flops())
     saved = counter.by_dtype

@@ -21,6 +21,7 @@ from atorch.auto import loop
 from atorch.auto.context import ModelContext, run_model
 from atorch.auto.plan import resolve_strategy
 from atorch.auto.search.agree import agreement_group, all_ok, first_error, max_each, max_over_ranks
+from atorch.auto.search.cost import free_copy
 from atorch.auto.strategy import Strategy
 from atorch.distributed.env import destroy_groups
 from atorch.distributed.topology import collective_timeout
@@ -50,7 +51,17 @@ def _peak_bytes(ctx: ModelContext, step: Callable[[], None]) -> int | None:
     return int(sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values()))
 
 
+def _free_storage(ctx: ModelContext) -> None:
+    """Give back the memory of the candidate's copy: its parameters, buffers, gradients and
+    optimizer state (see :func:`atorch.auto.search.cost.free_copy`)."""
+    optim = unwrap_optimizer(ctx.optim) if ctx.optim is not None else None
+    states = optim.state.values() if isinstance(optim, torch.optim.Optimizer) else ()
+    free_copy(ctx.model, [v for state in states for v in state.values()])
+
+
 def _release(ctx: ModelContext | None) -> None:
+    if ctx is not None:
+        _free_storage(ctx)
     if ctx is not None and ctx.topology.mesh is not None:
         groups = set(ctx.topology.mesh.get_all_groups())
         if ctx.topology.data_parallel_group is not None:
