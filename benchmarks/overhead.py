@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/overhead.py --nproc 2 --repeats 7 --steps 5
 
 For each strategy (DDP, ZeRO-1, FSDP, bf16 autocast, activation checkpointing) both versions of
-a Llama (workload.MEDIUM, steps of 270-370 ms) live in the same 2 gloo processes, start from the
+a Llama (workload.MEDIUM, steps of 270-390 ms (fp32)) live in the same 2 gloo processes, start from the
 same weights, and take turns in interleaved blocks of steps. The figure of merit is the ratio of median step times,
 atorch / hand-written (goal: at or under 1.02).
 """

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/peers.py --nproc 2 --repeats 9 --steps 5
 
-The same Llama (workload.MEDIUM, a step of 250-350 ms), data and global batch, strategy for
+The same Llama (workload.MEDIUM, a step of 250-390 ms in fp32), data and global batch, strategy for
 strategy, in the same 2 gloo processes, timed in interleaved blocks (each repetition alternates
 which side runs first):
 - DDP and bf16 autocast: atorch vs Accelerate (``Accelerator(cpu=True)``, its documented loop);

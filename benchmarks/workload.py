@@ -25,7 +25,7 @@ class Size:
 
 
 TINY = Size(hidden=32, layers=2, heads=2, vocab=64, seq=16, global_batch=4)
-# A step of 250-350 ms on 2 CPU ranks: large enough that compute and communication, not per-step
+# An fp32 step of 250-390 ms on 2 CPU ranks: large enough that compute and communication, not per-step
 # framework overhead, decide a comparison (issue 19 asks for steps of at least 100 ms).
 MEDIUM = Size(hidden=256, layers=4, heads=4, vocab=1024, seq=128, global_batch=8)
 

@@ -86,7 +86,12 @@ def destroy_groups(groups) -> None:
 def _forget_dtensor_shardings() -> None:
     try:
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-    except ImportError:  # a torch without the memo's reset: nothing to clear through it
+    except ImportError:  # an older torch: its memo is the sharding propagator's LRU cache
+        from torch.distributed.tensor import DTensor
+
+        propagate = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+        if hasattr(propagate, "cache_clear"):
+            propagate.cache_clear()
         return
     _clear_sharding_prop_cache()
 

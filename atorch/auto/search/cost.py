@@ -149,23 +149,25 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
     from atorch.methods.checkpoint import CheckpointedForward
 
     probe = copy.deepcopy(model)
-    ctx = ModelContext(model=probe, device_ctx=device_ctx, loss_func=loss_func, prepare_input=move_to_device)
-    for name, config in strategy.items():
-        for stage, hook in get_method(name).hooks.items():
-            if stage in stages and get_method(name).probed:
-                hook(ctx, config)
-    checkpointed = sum(isinstance(m.__dict__.get("forward"), CheckpointedForward) for m in probe.modules())
-    on_meta = any(p.is_meta for p in probe.parameters())
-    if not on_meta:  # a plan on the meta device keeps its meta inputs
-        batch = ctx.prepare_input(batch, device_ctx.device)
     counter = _SavedBytes()
     flop_counter = FlopCounterMode(display=False)
-    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), flop_counter:
-        output = run_model(ctx.model, batch, model_input_format)
-        if loss_func is not None:
-            loss_func(batch, output)
-    del output
-    free_copy(probe)
+    try:
+        ctx = ModelContext(model=probe, device_ctx=device_ctx, loss_func=loss_func, prepare_input=move_to_device)
+        for name, config in strategy.items():
+            for stage, hook in get_method(name).hooks.items():
+                if stage in stages and get_method(name).probed:
+                    hook(ctx, config)
+        checkpointed = sum(isinstance(m.__dict__.get("forward"), CheckpointedForward) for m in probe.modules())
+        on_meta = any(p.is_meta for p in probe.parameters())
+        if not on_meta:  # a plan on the meta device keeps its meta inputs
+            batch = ctx.prepare_input(batch, device_ctx.device)
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), flop_counter:
+            output = run_model(ctx.model, batch, model_input_format)
+            if loss_func is not None:
+                loss_func(batch, output)
+        del output
+    finally:  # a probe that raised is given back too
+        free_copy(probe)
     if flops is not None:
         flops.append(flop_counter.get_total_flops())
     saved = counter.by_dtype

@@ -59,14 +59,16 @@ def _free_storage(ctx: ModelContext) -> None:
     free_copy(ctx.model, [v for state in states for v in state.values()])
 
 
-def _release(ctx: ModelContext | None) -> None:
-    if ctx is not None:
-        _free_storage(ctx)
+def _release(ctx: ModelContext | None, ran: bool = False) -> None:
+    """Destroy the candidate's groups; then, after a dry run that completed on every rank (no
+    collective of the copy can still be in flight), give back its storage."""
     if ctx is not None and ctx.topology.mesh is not None:
         groups = set(ctx.topology.mesh.get_all_groups())
         if ctx.topology.data_parallel_group is not None:
             groups.add(ctx.topology.data_parallel_group)
         destroy_groups(groups)
+    if ctx is not None and ran:
+        _free_storage(ctx)
     gc.collect()
 
 
@@ -144,7 +146,7 @@ def _dry_run(pristine, strategy, make_context, apply, warmup_steps, timed_steps,
         error, failed_at = f"{type(exc).__name__}: {exc}", time.perf_counter() - start
     ok = all_ok(error is None)
     peak = max_over_ranks(peak) if ok else None
-    _release(ctx)
+    _release(ctx, ran=ok)
     ctx = None
     if not ok:
         return {"reason": first_error(error, failed_at), "seconds": time.perf_counter() - start}

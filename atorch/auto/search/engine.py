@@ -29,6 +29,9 @@ TIE_TOLERANCE = 0.03
 # faster. The step-time estimate (nominal or calibrated rates) orders candidates, it does not
 # predict seconds well, so only a wide gap prunes.
 DOMINANCE = 2.0
+# A method is "slower" than its twin without it when estimated more than this many times slower
+# (the winner's tie tolerance: measured candidates within 3% count as equal).
+SLOWER_MARGIN = 1.03
 # Why a candidate was pruned, as counted in the report (SearchReport.pruned).
 INELIGIBLE, SYMMETRIC, CONFIG_ERROR, OVER_BUDGET_RULE = "ineligible", "symmetric", "config_error", "over_budget"
 MEMORY_ONLY, SLOWER, DOMINATED = "memory_only", "slower", "dominated"
@@ -305,7 +308,8 @@ def _prune_twins(results, fits: set[int]) -> None:
         if result.reason is not None:
             continue
         for name in strategy.opt_names:
-            twin = next(((s, r) for s, r in results if s == strategy.without(name)), None)
+            without = strategy.without(name)
+            twin = next(((s, r) for s, r in results if s == without), None)
             if twin is None or id(twin[0]) not in fits:
                 continue
             if get_method(name).memory_only:
@@ -328,7 +332,9 @@ def _slower_by(result, twin) -> float | None:
     if result.estimated_step_seconds is None or not twin.estimated_step_seconds:
         return None
     slower = result.estimated_step_seconds / twin.estimated_step_seconds
-    return slower if slower > 1.0 else None
+    # Each candidate's FLOPs come from its own probe: a method with no time term of its own may
+    # differ from its twin by how the FLOPs were counted, which is not a slower step.
+    return slower if slower > SLOWER_MARGIN else None
 
 
 def _prune_dominated(results) -> None:

@@ -2,7 +2,7 @@
 one of its methods surely fits the budget and that method cannot pay for itself, because it only
 saves memory, or because the cost model says it slows the step (bf16 autocast on a CPU)."""
 
-from atorch.auto.search.engine import MEMORY_ONLY, SLOWER, _prune_twins
+from atorch.auto.search.engine import MEMORY_ONLY, SLOWER, SLOWER_MARGIN, _prune_twins
 from atorch.auto.search.report import CandidateResult
 from atorch.auto.strategy import Strategy
 
@@ -12,7 +12,7 @@ AMP = ("amp_native", "bf16")
 def _candidates(**seconds):
     """(strategy, result) pairs named plain, amp, checkpoint, with the given estimated seconds."""
     methods = {"plain": ["parallel_mode"], "amp": ["parallel_mode", AMP],
-               "checkpoint": ["parallel_mode", "checkpoint"]}
+               "checkpoint": ["parallel_mode", "checkpoint"], "pipeline": ["parallel_mode", "pipeline_parallel"]}
     out = {}
     for name, step in seconds.items():
         strategy = Strategy(methods[name])
@@ -35,10 +35,25 @@ def test_a_method_estimated_to_speed_the_step_up_stays():
     assert c["amp"][1].reason is None
 
 
-def test_an_equal_estimate_prunes_nothing():
-    """A method with no time term of its own must be measured, not guessed slower."""
-    c = _candidates(plain=1.0, amp=1.0)
+def test_an_estimate_within_the_tie_margin_prunes_nothing():
+    """A method with no time term of its own differs from its twin only by how each probe counted
+    FLOPs: it must be measured, not guessed slower."""
+    for step in (1.0, SLOWER_MARGIN - 0.001):
+        c = _candidates(plain=1.0, amp=step)
+        _prune_twins(list(c.values()), fits={id(c["plain"][0])})
+        assert c["amp"][1].reason is None
+
+
+def test_a_layout_method_is_never_pruned_as_slower():
+    """Splitting the model is judged across layouts (dominance, dry runs), not against its twin."""
+    c = _candidates(plain=1.0, pipeline=1.5)
     _prune_twins(list(c.values()), fits={id(c["plain"][0])})
+    assert c["pipeline"][1].reason is None
+
+
+def test_a_candidate_whose_twin_is_not_in_the_space_stays():
+    c = _candidates(amp=1.4)
+    _prune_twins(list(c.values()), fits=set())
     assert c["amp"][1].reason is None
 
 
