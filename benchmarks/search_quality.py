@@ -38,11 +38,12 @@ far below 0.3.
 Wall time on 2 shared cores with 4 ranks: ``--tiny --repeats 2 --steps 2`` takes about 8 minutes
 (exhaustive 34-92 s and search 8-19 s per scenario, plus start-up and timing); its figures mean
 nothing (the toy models' estimates are 0.3-0.5 of their measured peaks, far outside the error the
-search allows, so its boundary scenario can miss). The full run was
-not taken on these machines: a dry run there measured about 7 s per candidate on the 4-block
-Llama, 20 s on deep-narrow and 5 s on the tensor-best and pipeline-best models, so the exhaustive
-runs alone take about 3 x 7.5 + 21 + 3 minutes and the whole benchmark about an hour (searches
-add about a third to each exhaustive run).
+search allows, so its boundary scenario can miss). At full size a dry run takes about 7 s per
+candidate on the 4-block Llama, 20 s on deep-narrow and 4-5 s on the tensor-best and
+pipeline-best models: the exhaustive runs alone take about 3 x 7.5 + 21 + 2.5 minutes, and the
+whole benchmark about an hour, so it is best run a few scenarios at a time (``--scenarios``,
+each with its own ``--out``). Before the search released each dry run's copy (2026-11-24), the
+exhaustive run of 64 candidates grew to 6 GB per rank and was killed for memory.
 """
 
 import functools
