@@ -3,7 +3,9 @@
     python benchmarks/cost_model.py --nproc 2 --out benchmarks/results/cost_model
 
 Spawns gloo processes on the CPU and, for each workload, estimates each strategy's peak (atorch's
-cost model) and measures it (training steps under torch's MemTracker, maximum over ranks):
+cost model) and measures it (a dry run's training steps, the peak by the dry runs' tracker
+``atorch.auto.search.peak``, maximum over ranks; the committed results predate that tracker and
+were taken with torch's MemTracker, which it matches where both work):
 
 - ``llama`` and ``llama-deep``: the Llama workloads of benchmarks/search_quality.py (hidden 128,
   4 blocks, seq 64; 8 blocks, seq 128), AdamW, over every candidate of the search's own space

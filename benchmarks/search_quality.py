@@ -22,12 +22,12 @@ For each scenario the exhaustive run dry-runs every candidate of the search's ow
 ``excluded`` methods, exactly as ``auto_accelerate``'s search builds it. Then ``auto_accelerate``
 searches with the same budget and ``excluded``. The best of the exhaustive run is its fastest
 candidate that fits the budget, judged as the search judges its dry runs: the measured peak is
-at most the budget, or, for a candidate whose peak cannot be measured (a pipeline schedule runs
-its steps where the peak tracker cannot follow), its estimate fits even at the estimate's known
-error (``cost.surely_fits`` with the candidate's own error bounds). The picked and the best
+at most the budget, or, for a candidate whose peak was not measured (the tracker failed), its
+estimate fits even at the estimate's known error (``cost.surely_fits`` with the candidate's own
+error bounds). Pipeline candidates' peaks are measured inside the schedule since 2026-11-24. The picked and the best
 strategy are then timed against each other in interleaved blocks. Figures of merit: picked /
 best throughput (goal >= 0.95), search wall time / exhaustive wall time (goal <= 0.25), and
-whether the pick fits (its measured peak, or its estimate for a pipeline, against the budget).
+whether the pick fits (its measured peak against the budget).
 
 The exhaustive run dry-runs each distinct candidate once (those that planning makes the same on
 this model are counted in "candidates" but run once): 64 of 112 in the first four scenarios, 12
@@ -122,7 +122,7 @@ def _label(strategy: dict, world: int) -> str:
 
 def _judged_peak(candidate, model, world: int) -> float | None:
     """The peak the search holds a dry-run candidate to (engine._judge_peak): the measured one, or
-    for a candidate whose peak cannot be measured (a pipeline), its estimate over the estimate's
+    for a candidate whose peak was not measured (the tracker failed), its estimate over the estimate's
     lowest known ratio to measured (``cost.surely_fits``), with the candidate's own bounds (a
     method's cost term may widen them, as checkpoint's does)."""
     from atorch.auto.search import cost

@@ -22,6 +22,7 @@ from atorch.auto.context import ModelContext, run_model
 from atorch.auto.plan import resolve_strategy
 from atorch.auto.search.agree import agreement_group, all_ok, first_error, max_each, max_over_ranks
 from atorch.auto.search.cost import free_copy
+from atorch.auto.search.peak import PeakMemory
 from atorch.auto.strategy import Strategy
 from atorch.distributed.env import destroy_groups
 from atorch.distributed.topology import collective_timeout
@@ -39,16 +40,12 @@ def train_step(ctx: ModelContext, batch) -> torch.Tensor:
     return loss
 
 
-def _peak_bytes(ctx: ModelContext, step: Callable[[], None]) -> int | None:
-    """Peak tensor memory of one step on this rank, tracked by torch's MemTracker."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
+def _peak_bytes(ctx: ModelContext, step: Callable[[], None]) -> int:
+    """Peak tensor memory of one step on this rank (pipeline schedules included)."""
     optim = unwrap_optimizer(ctx.optim)
-    tracker.track_external(ctx.model, *([optim] if isinstance(optim, torch.optim.Optimizer) else []))
-    with tracker:
+    with PeakMemory(ctx.model, *([optim] if isinstance(optim, torch.optim.Optimizer) else [])) as tracker:
         step()
-    return int(sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values()))
+    return tracker.peak
 
 
 def _free_storage(ctx: ModelContext) -> None:
@@ -136,9 +133,7 @@ def _dry_run(pristine, strategy, make_context, apply, warmup_steps, timed_steps,
             if late:
                 break  # the search's time_limit: measure the steps that ran
         try:
-            # MemTracker hangs inside a pipeline schedule's point-to-point sends (pipeline methods
-            # set backward_in_forward): their peak stays unmeasured, as for a failed tracker.
-            if not late and not ctx.args.get("backward_in_forward"):
+            if not late:
                 peak = _peak_bytes(ctx, lambda: train_step(ctx, next(batches)))
         except Exception as exc:  # noqa: BLE001 - a tracker that cannot follow a backend is not fatal
             logger.debug("memory tracking failed for %s: %s", strategy.opt_names, exc)

@@ -222,8 +222,8 @@ def test_only_a_tensor_parallel_layout_fits_the_budget_and_it_trains_like_the_se
 
 
 # pipeline=2 with 4 microbatches is estimated at 1.40 MiB, under 2 MiB even if the estimate is
-# 1.25x low; with 2 microbatches at 1.97 MiB (near the budget: dry-run, and its peak cannot be
-# measured inside a pipeline schedule, so it cannot win); data=2 as above.
+# 1.25x low; with 2 microbatches at 1.97 MiB: near the budget, so it is dry-run and its measured
+# peak decides; data=2 as above.
 PIPELINE_BUDGET = "2MiB"
 
 
@@ -237,14 +237,14 @@ def test_only_a_pipeline_layout_fits_the_budget_and_it_trains_like_the_serial_mo
     assert results[0]["status"] and results[0]["strategy"] == results[1]["strategy"]
     applied = Strategy.from_data(results[0]["strategy"])
     assert applied.opt_names == ["parallel_mode", "pipeline_parallel"]
-    assert applied.get("pipeline_parallel").num_microbatches == 4
     report = SearchReport.load(tmp_path / "pipeline.json")
     winner = report.candidates[report.winner]
-    assert winner.layout == "pipeline=2, microbatches=4"
-    # its peak is not measured inside the schedule: it wins because it fits even at the estimate's error
-    assert cost.surely_fits(winner.estimated_peak_bytes, cost.parse_bytes(PIPELINE_BUDGET))
-    two = next(c for c in report.candidates if c.layout == "pipeline=2, microbatches=2")
-    assert two.status == "failed" and "peak memory not measured" in two.reason
+    assert winner.layout.startswith("pipeline=2, microbatches=")
+    # the peak is measured inside the pipeline schedule (atorch.auto.search.peak), on every dry run
+    pipelines = [c for c in report.candidates if c.layout.startswith("pipeline=2") and c.throughput is not None]
+    assert {c.layout for c in pipelines} >= {"pipeline=2, microbatches=2", "pipeline=2, microbatches=4"}
+    assert all(c.measured_peak_bytes for c in pipelines)
+    assert winner.measured_peak_bytes <= cost.parse_bytes(PIPELINE_BUDGET)
     plain = next(c for c in report.candidates if c.layout == "data=2")
     assert plain.status == "pruned" and plain.pruned_by == "over_budget"
 
