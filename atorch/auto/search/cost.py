@@ -120,7 +120,8 @@ def free_copy(model: torch.nn.Module, extra: Iterable = ()) -> None:
     their gradients, and the tensors in ``extra`` (its optimizer state).
 
     Something may keep the tensor objects alive after the copy is dropped: torch's MemTracker
-    leaves a reference to each parameter it saw, from C++, and a checkpointed block's autograd
+    (once the dry runs' tracker) leaves a reference to each parameter it saw, from C++, and a
+    checkpointed block's autograd
     node holds its forward (the module) in a cycle through C++ that the garbage collector cannot
     see. A layout search over a big model probes and dry-runs dozens of copies in one process,
     so their storage is released here, whoever keeps the objects.
@@ -197,6 +198,18 @@ def batch_tokens(batch: Any) -> int:
     return first.numel()
 
 
+PROBED_STAGES = (Stage.REWRITE, Stage.MEMORY)  # the stages whose hooks a probe applies to its copy
+
+
+def probe_key(strategy: Strategy, batch_key: Any) -> tuple:
+    """All that a probe of ``strategy`` depends on besides the model: the batch it runs and the
+    configs of the methods it applies. Candidates that differ only in what a probe does not apply
+    (sharding, layouts) share one probe."""
+    applied = tuple((name, config.model_dump_json()) for name, config in strategy.items()
+                    if get_method(name).probed and any(stage in PROBED_STAGES for stage in get_method(name).hooks))
+    return batch_key, applied
+
+
 def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, model_input_format, loss_func,
                      device_ctx, flops: list | None = None) -> int:
     """Bytes of activations alive at the peak: those saved by one forward of a copy of ``model``
@@ -204,7 +217,7 @@ def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, mod
     checkpointing, one checkpointed block's activations recomputed during backward. The
     forward's FLOPs are appended to ``flops`` when given."""
     saved, checkpointed = _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx,
-                                       (Stage.REWRITE, Stage.MEMORY), flops)
+                                       PROBED_STAGES, flops)
     if checkpointed:
         full, _ = _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, (Stage.REWRITE,))
         saved += max(full - saved, 0) // checkpointed

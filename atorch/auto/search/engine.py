@@ -142,14 +142,22 @@ def search(
     rates, report.rates = cached_rates(device_ctx.device, device_ctx.world_size)
     micro_batches: dict[int, object] = {}  # per data-parallel size: the batch one data rank gets
 
+    probes: dict[tuple, tuple[int, int, list]] = {}  # cost.probe_key -> activations, tokens, FLOPs
+
     def probe(strategy: Strategy, flops: list, dims: dict[str, int]) -> tuple[int, int]:
         dp_size = math.prod(size for name, size in dims.items() if name in DATA_PARALLEL_DIMS)
-        if dp_size not in micro_batches:
-            micro_batches[dp_size] = _first_micro_batch(probe_ctx, dp_size)
-        batch = micro_batches[dp_size]
-        with quiet():
-            return cost.activation_bytes(model, strategy, batch, probe_ctx.model_input_format, probe_ctx.loss_func,
-                                         device_ctx, flops), cost.batch_tokens(batch)
+        key = cost.probe_key(strategy, dp_size)
+        if key not in probes:  # candidates that differ only in sharding or layout share one probe
+            if dp_size not in micro_batches:
+                micro_batches[dp_size] = _first_micro_batch(probe_ctx, dp_size)
+            batch, counted = micro_batches[dp_size], []
+            with quiet():
+                activations = cost.activation_bytes(model, strategy, batch, probe_ctx.model_input_format,
+                                                    probe_ctx.loss_func, device_ctx, counted)
+            probes[key] = activations, cost.batch_tokens(batch), counted
+        activations, tokens, counted = probes[key]
+        flops.extend(counted)
+        return activations, tokens
 
     budget, ratio = options.memory_budget, options.estimate_ratio
     results: list[tuple[Strategy, CandidateResult]] = []
@@ -211,9 +219,11 @@ def search(
         """Within the budget even at the low end of its estimate's known error."""
         return cost.surely_fits(result.estimated_peak_bytes, budget, ratios.get(id(result), ratio))
 
+    # Strategies sure to fit: by their estimate now, and each dry run that measures a fit adds its own.
+    fits = {id(s) for s, r in results if r.reason is None and surely(r)}
     if only is None:
         # A twin that may not fit (near the boundary, or not estimated) prunes nothing.
-        _prune_twins(results, {id(s) for s, r in results if r.reason is None and surely(r)})
+        _prune_twins(results, fits)
         _prune_dominated(results)
 
     # Dry runs go in order of estimated step time (fastest first, the simpler on a tie; those with
@@ -235,6 +245,11 @@ def search(
             r.reason, r.pruned_by = f"not dry-run: max_dryruns={options.max_dryruns} reached", MAX_DRYRUNS
     last_seconds = 0.0
     for index, (strategy, result) in enumerate(to_run, 1):
+        if only is None:
+            # A twin measured to fit proves what its estimate could not: the twin rules apply again.
+            _prune_twins(results, fits, pending={id(result)})
+            if result.reason is not None:
+                continue
         # Rank 0's clock decides for everyone. A candidate starts only if one like the last fits
         # in the time left, and its timed steps stop at the limit: time_limit is a promise.
         remaining = None if options.time_limit is None else options.time_limit - (time.perf_counter() - start)
@@ -264,6 +279,8 @@ def search(
         result.status, why = _judge_peak(peak, result.estimated_peak_bytes, options,
                                          ratios.get(id(result), options.estimate_ratio))
         result.reason = why or result.reason
+        if result.status == MEASURED and peak is not None:
+            fits.add(id(strategy))
     for _, result in results:
         if result.status not in (MEASURED, FAILED):
             result.status = PRUNED
@@ -300,12 +317,14 @@ def _layout_config(strategy: Strategy) -> dict | None:
     return None
 
 
-def _prune_twins(results, fits: set[int]) -> None:
+def _prune_twins(results, fits: set[int], pending: set[int] | None = None) -> None:
     """Prune a candidate when the same strategy less one of its methods surely fits the budget
-    (its ``id`` in ``fits``) and that method cannot pay for itself: it only saves memory
-    (``memory_only`` in the registry), or it is estimated to slow this step (``_slower_by``)."""
+    (its ``id`` in ``fits``: by its estimate, or by a dry run's measured peak) and that method
+    cannot pay for itself: it only saves memory (``memory_only`` in the registry), or it is
+    estimated to slow this step (``_slower_by``). ``pending`` (ids of results) limits the pruning
+    to candidates that have not run."""
     for strategy, result in results:
-        if result.reason is not None:
+        if result.reason is not None or (pending is not None and id(result) not in pending):
             continue
         for name in strategy.opt_names:
             without = strategy.without(name)

@@ -74,3 +74,19 @@ def test_a_candidate_without_an_estimate_is_not_pruned_as_slower():
     c = _candidates(plain=1.0, amp=None)
     _prune_twins(list(c.values()), fits={id(c["plain"][0])})
     assert c["amp"][1].reason is None
+
+
+def test_a_twin_measured_to_fit_prunes_a_candidate_that_has_not_run():
+    """Before each dry run the rules apply again, with the twins whose dry run measured a fit:
+    near the boundary the estimate could not prove it, the measurement does."""
+    c = _candidates(plain=1.0, amp=1.4, checkpoint=1.2)
+    results = list(c.values())
+    _prune_twins(results, fits=set())  # plain near the boundary: nothing pruned before it runs
+    assert all(result.reason is None for _, result in results)
+    measured = {id(c["plain"][0])}  # plain's dry run measured a peak within the budget
+    _prune_twins(results, measured, pending={id(c["checkpoint"][1])})
+    assert c["checkpoint"][1].pruned_by == MEMORY_ONLY
+    assert c["amp"][1].reason is None  # not pending: already run, or decided at its own turn
+    _prune_twins(results, measured, pending={id(c["amp"][1])})
+    assert c["amp"][1].pruned_by == SLOWER
+    assert c["plain"][1].reason is None
