@@ -105,6 +105,11 @@ def cost_term(config: FsdpConfig, cost) -> None:
     # The unit running and the one prefetched are whole on every rank.
     cost.gathered += 2 * largest_unit_bytes(cost.model, list(config.atorch_wrap_cls or [])) * cost.weight_scale * cost.split
     cost.data_sync = {"params": 2, "grads": 1}  # all-gather in forward and backward, reduce-scatter
+    # unit by unit (the root is one too), on this rank's pipeline stages
+    units = len(fsdp2.choose_units(cost.model, config.atorch_wrap_cls, config.atorch_size_based_min_num_params,
+                                   config.atorch_ignored_cls, config.wrap_trainable_outmost)) + 1
+    units = max(1.0, units * cost.stage_share)
+    cost.sync_calls = {"all_gather": units * (2 if config.reshard_after_forward else 1), "reduce_scatter": units}
 
 
 register_method(

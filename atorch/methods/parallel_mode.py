@@ -68,9 +68,14 @@ def wrap_ddp(ctx: ModelContext, config: ParallelModeConfig) -> None:
     ctx.wrapped_by = "parallel_mode"
 
 
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
+
+
 def cost_term(config: ParallelModeConfig, cost) -> None:
-    # DDP all-reduces the gradients over the data ranks; a sharding method replaces this sync.
+    # DDP all-reduces the gradients over the data ranks, one bucket (bucket_cap_mb, 25 MiB) per
+    # collective; a sharding method replaces this sync.
     cost.data_sync = {"grads": 2}
+    cost.sync_calls = {"bucket_bytes": DDP_BUCKET_BYTES}
 
 
 register_method(

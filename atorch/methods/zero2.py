@@ -108,6 +108,10 @@ def cost_term(config: Zero2Config, cost) -> None:
     cost.data_sync = {"grads": 1, "params": 1}  # reduce-scatter gradients, all-gather updated parameters
     if not config.use_ds_zero and not config.not_use_fsdp:
         _fsdp2_terms(config, cost)
+        # one gather (in forward: kept whole through backward) and one reduce-scatter per unit
+        blocks = fsdp2.choose_units(cost.model, [class_name(c) for c in find_block_classes(cost.model)])
+        units = max(1.0, (len(fsdp2.group_units(cost.model, blocks, config.bucket_params)) + 1) * cost.stage_share)
+        cost.sync_calls = {"all_gather": units, "reduce_scatter": units}
 
 
 def _fsdp2_terms(config: Zero2Config, cost) -> None:

@@ -278,6 +278,10 @@ class StepCost:
     # parameter and gradient bytes ({"grads": 2}: an all-reduce); a ring over n ranks moves
     # (n-1)/n of that per rank
     data_sync: dict = field(default_factory=dict)
+    # how many collectives of each kind that sync takes per step, each paying the link's latency:
+    # a count (FSDP gathers and reduces unit by unit), or under "bucket_bytes" the bytes per
+    # collective (DDP's gradient buckets); one per kind when neither is given
+    sync_calls: dict = field(default_factory=dict)
     comms: list = field(default_factory=list)  # other communication not overlapped with compute
     # a hardware profile (atorch/auto/search/profiles), named or calibrated on this machine
     # (atorch/auto/search/calibrate.py): its rates replace the nominal ones, a group that spans
@@ -322,7 +326,7 @@ class StepCost:
     def seconds(self) -> float:
         """compute (x the pipeline bubble) + communication not overlapped with it, at nominal
         rates, or at the rates of ``profile`` when one is set (each collective at its own rate,
-        and one latency per collective kind of the data-parallel sync)."""
+        and one latency per collective of the data-parallel sync: ``sync_calls``)."""
         if self.profile is None:
             rate = _FLOPS.get(self.device_type, _FLOPS["cpu"])[self.compute_dtype]
         else:
@@ -340,13 +344,20 @@ class StepCost:
             for kind, moved in sync.items():
                 if moved:
                     bandwidth, latency = self._link(DATA_PARALLEL_DIMS, kind)
-                    comm += moved * (dp - 1) / dp / bandwidth + latency
+                    comm += moved * (dp - 1) / dp / bandwidth + latency * self._calls(kind, moved)
         element = 2 if self.compute_dtype == "half" else 4
         for c in self.comms:
             if self.size(c.dim) > 1:
                 bandwidth, latency = self._link((c.dim,), c.kind)
                 comm += c.elements * element * c.factor / bandwidth + c.messages * latency
         return compute * (1 + self.bubble) + comm
+
+    def _calls(self, kind: str, moved: float) -> float:
+        """Collectives of ``kind`` in the data-parallel sync that moves ``moved`` bytes per step."""
+        if kind in self.sync_calls:
+            return max(1.0, self.sync_calls[kind])
+        bucket = self.sync_calls.get("bucket_bytes")
+        return max(1.0, math.ceil(moved / bucket)) if bucket else 1.0
 
     def _link(self, dims, kind: str | None = None) -> tuple[float, float]:
         """(bandwidth, latency) of collective ``kind`` over a group of ``dims``: nominal by device,

@@ -91,8 +91,9 @@ def test_the_cost_model_uses_calibrated_rates_per_collective(tmp_path):
     fsdp = cost.build_cost(model, Strategy([("parallel_mode", {}), ("fsdp", {"atorch_wrap_cls": ["Linear"]})]),
                            {"data": 2}, 2.0, 0, 1e9, 64, "cpu")
     fsdp.profile = rates
-    # parameters all-gathered twice, gradients reduce-scattered, each at its own rate
-    assert fsdp.seconds() == pytest.approx(3e9 / 1e9 + 2 * grads / 2 / 4e8 + 5e-5 + grads / 2 / 1e8 + 7e-5)
+    # parameters all-gathered twice, gradients reduce-scattered, each at its own rate; unit by
+    # unit (the two Linear units and the root), each collective paying the latency
+    assert fsdp.seconds() == pytest.approx(3e9 / 1e9 + 2 * grads / 2 / 4e8 + 6 * 5e-5 + grads / 2 / 1e8 + 3 * 7e-5)
 
 
 def test_a_calibration_taken_with_another_setting_is_not_used(tmp_path, monkeypatch):
