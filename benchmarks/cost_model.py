@@ -1,6 +1,7 @@
 """Cost model accuracy: estimated vs measured peak memory per rank, and step-time ranking.
 
     python benchmarks/cost_model.py --nproc 2 --out benchmarks/results/cost_model
+    python benchmarks/cost_model.py --workloads small,deeper --timed-steps 20 --out /tmp/toys
 
 Spawns gloo processes on the CPU and, for each workload, estimates each strategy's peak (atorch's
 cost model) and measures it (a dry run's training steps, the peak by the dry runs' tracker
@@ -41,7 +42,7 @@ LLAMAS = {"llama": {}, "llama-deep": {"layers": 8, "seq": 128}}  # benchmarks/se
 WORKLOADS = [*LLAMAS, *SIZES]
 
 
-def measure_all(workload: str) -> list[dict]:
+def measure_all(workload: str, timed_steps: int = 3) -> list[dict]:
     from atorch.auto.environment import DeviceContext
     from atorch.auto.search import measure
     from atorch.auto.search.space import candidate_space
@@ -60,20 +61,21 @@ def measure_all(workload: str) -> list[dict]:
         model, data, loss = TinyTransformer(layers=spec["layers"]), TokenDataset(n=256), lm_loss
     with quiet():
         report = measure(model, candidates, torch.optim.AdamW, data, loss, optim_args={"lr": 1e-3},
-                         dataloader_args={"batch_size": batch}, model_input_format="unpack_dict", timed_steps=3,
-                         max_dryruns=len(candidates))
+                         dataloader_args={"batch_size": batch}, model_input_format="unpack_dict",
+                         timed_steps=timed_steps, max_dryruns=len(candidates))
     return [{"size": workload, "strategy": " + ".join(c.names) or "(plain)", "estimated": c.estimated_peak_bytes,
              "measured": c.measured_peak_bytes, "estimated_step_s": c.estimated_step_seconds,
              "measured_step_s": batch / c.throughput if c.throughput else None, "status": c.status,
              "reason": c.reason} for c in report.candidates if c.status != "pruned" or c.measured_peak_bytes]
 
 
-def run(nproc: int) -> list[dict]:
+def run(nproc: int, workloads: list[str], timed_steps: int = 3) -> list[dict]:
     from atorch.distributed.local import run_local
 
     rows = []
-    for workload in WORKLOADS:
-        rows += run_local(measure_all, nproc, (workload,), timeout_s=1800)[0] if nproc > 1 else measure_all(workload)
+    for workload in workloads:
+        args = (workload, timed_steps)
+        rows += run_local(measure_all, nproc, args, timeout_s=1800)[0] if nproc > 1 else measure_all(*args)
     return rows
 
 
@@ -81,13 +83,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/cost_model")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {WORKLOADS}")
+    parser.add_argument("--timed-steps", type=int, default=3,
+                        help="timed steps per candidate: the toys' steps (tens of ms) need more for a stable order")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    rows = run(args.nproc)
+    workloads = args.workloads.split(",")
+    unknown = sorted(set(workloads) - set(WORKLOADS))
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; choose from {WORKLOADS}")
+    rows = run(args.nproc, workloads, args.timed_steps)
     from benchmarks.harness import spearman, write
 
     correlation, spans = {}, {}
-    for size in WORKLOADS:
+    for size in workloads:
         timed = [r for r in rows if r["size"] == size and r["estimated_step_s"] and r["measured_step_s"]]
         correlation[size] = spearman([r["estimated_step_s"] for r in timed], [r["measured_step_s"] for r in timed])
         ratios = [r["estimated"] / r["measured"] for r in rows if r["size"] == size and r["estimated"] and r["measured"]]
@@ -102,7 +111,7 @@ def main() -> None:
         lines.append(f"| {r['size']} | {r['strategy']} | {kib(r['estimated'])} | {kib(r['measured'])} | {ratio} | "
                      f"{ms(r['estimated_step_s'])} | {ms(r['measured_step_s'])} |")
     lines.append("")
-    for size in WORKLOADS:
+    for size in workloads:
         span = spans[size]
         memory = (f"est/meas {span['low']:.2f}-{span['high']:.2f}, {span['within_10pct']} of {span['count']} within 10%"
                   if span else "no candidate measured")

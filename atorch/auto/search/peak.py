@@ -14,6 +14,7 @@ the tracker is active. Wrapper subclasses (DTensor) count their inner tensors. T
 operator allocates and frees inside itself are not seen.
 """
 
+import threading
 import weakref
 from collections.abc import Iterable
 
@@ -29,7 +30,7 @@ def _storages(tensor: torch.Tensor) -> Iterable[torch.UntypedStorage]:
         if is_traceable_wrapper_subclass(t):
             names, _ = t.__tensor_flatten__()
             pending.extend(inner for inner in (getattr(t, n) for n in names) if isinstance(inner, torch.Tensor))
-        elif t.device.type != "meta":
+        elif t.device.type != "meta" and t.layout == torch.strided:  # sparse tensors have no single storage
             yield t.untyped_storage()
 
 
@@ -42,6 +43,9 @@ class PeakMemory(TorchDispatchMode):
         self._sizes: dict[int, int] = {}  # storage (its C++ address) -> bytes counted
         self._refs: dict[int, weakref.ref] = {}
         self._external = external
+        # A storage may be freed on another thread (a collective's); re-entrant: a callback can
+        # run inside _count, when a new entry makes Python collect garbage.
+        self._lock = threading.RLock()
 
     def track(self, *objects) -> None:
         """Count the tensors of modules (parameters, gradients, buffers), optimizers (state) and
@@ -61,22 +65,25 @@ class PeakMemory(TorchDispatchMode):
         for storage in _storages(tensor):
             key = storage._cdata
             size = storage.nbytes()
-            if key in self._sizes:
-                self._resized(key, size)
-                continue
-            self._sizes[key] = size
-            self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._gone(key))
-            self._add(size)
+            with self._lock:
+                if key in self._sizes:
+                    self._resized(key, size)
+                    continue
+                self._sizes[key] = size
+                self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._gone(key))
+                self._add(size)
 
     def _resized(self, key: int, size: int) -> None:
-        self._add(size - self._sizes[key])
-        self._sizes[key] = size
+        with self._lock:
+            self._add(size - self._sizes[key])
+            self._sizes[key] = size
 
     def _gone(self, key: int) -> None:
-        size = self._sizes.pop(key, None)
-        self._refs.pop(key, None)
-        if size is not None:
-            self.current -= size
+        with self._lock:
+            size = self._sizes.pop(key, None)
+            self._refs.pop(key, None)
+            if size is not None:
+                self.current -= size
 
     def _add(self, size: int) -> None:
         self.current += size
