@@ -111,6 +111,7 @@ def pipeline_terms(cost, config: PipelineFields, stages: int) -> None:
     in_flight = m if config.schedule == "gpipe" else min(m, stages)
     cost.activations *= share * in_flight / m
     cost.compute_share *= share
+    cost.op_share *= share * m  # each microbatch runs the rank's layers: m times their operators
     cost.bubble += (stages - 1) / (m * v)
     width = _boundary_width(cost.model, ranges[0])
     cost.comms.append(Comm("pipeline", 2 * cost.tokens * width * v, 2 * m * v, kind="send_recv"))

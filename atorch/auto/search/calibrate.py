@@ -1,9 +1,10 @@
 """Rates measured on this machine, for the search's step-time estimate.
 
 Every rank of an initialised process group calls :func:`calibrate`. It measures, in a few
-seconds: the matmul rate per dtype (fp32, bf16) and, for each group size (powers of two that
-divide the world, a node's ranks, and the world), the bandwidth and latency of all-reduce,
-all-gather, reduce-scatter and send/recv. Each collective is timed at two message sizes (median
+seconds: the matmul rate per dtype (fp32, bf16), the overhead per dispatched operator, and, for
+each group size (powers of two that divide the world, a node's ranks, and the world), the
+bandwidth and latency of all-reduce, all-gather, reduce-scatter and send/recv. Each collective is
+timed at two message sizes (median
 of a few repetitions, the slowest rank's), and the line ``time = latency + bytes / bandwidth`` is
 drawn through the two points, with bytes counted the way the cost model counts them (an all-reduce of
 P bytes over n ranks moves 2(n-1)/n x P per rank). The rates are written as a hardware profile
@@ -42,6 +43,8 @@ MESSAGE_BYTES = {"cpu": (16 * 2**10, 4 * 2**20), "cuda": (64 * 2**10, 64 * 2**20
 # Side of the square matmuls timed per dtype.
 MATMUL_SIDE = {"cpu": 512, "cuda": 8192}
 MATMUL_SECONDS = 0.05
+# Layers of the tiny model whose step measures the overhead per operator.
+OP_LAYERS = 16
 
 
 def default_dir() -> Path:
@@ -129,6 +132,7 @@ def measure(device: torch.device) -> dict:
     setting = _setting(device)
     local = setting["local_world_size"]
     matmul = {"fp32": _matmul_rate(device, torch.float32), "bf16": _matmul_rate(device, torch.bfloat16)}
+    op_seconds = _op_seconds(device)
     collectives: dict = {kind: {} for kind in KINDS}
     for size in _group_sizes(world, local):
         group, own = _group_of(size)
@@ -146,6 +150,8 @@ def measure(device: torch.device) -> dict:
     sources = {"matmul_flops": f"{how}: square matmuls of side {MATMUL_SIDE.get(device.type, 512)} (halved while "
                                f"one takes over {MATMUL_SECONDS}s), median of {REPEATS}, the slowest rank's",
                "sustained_fraction": "1: the matmul rates are measured, already sustained",
+               "op_seconds": f"{how}: forward + backward of {OP_LAYERS} tiny Linear + ReLU layers on one sample, "
+                             f"over 3 x the operators its forward dispatches, median of {REPEATS}, the slowest rank's",
                "memory": "this device's memory (the node's RAM shared by its ranks on CPU)",
                "intra_node.bandwidth": f"{how}: all-reduce over the largest group inside a node"
                if inside else "nominal: one rank, nothing to measure",
@@ -165,6 +171,7 @@ def measure(device: torch.device) -> dict:
         "intra_node": intra,
         "inter_node": inter,
         "collectives": {k: v for k, v in collectives.items() if v},
+        "op_seconds": op_seconds,
         "attention": "flash" if device.type == "cuda" else "math",
         "calibration": {"device": device_name(device), "world_size": world, **setting, "when": when,
                         "seconds": seconds, "torch": torch.__version__},
@@ -220,6 +227,24 @@ def _matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
             break
         side //= 2
     return 2 * side**3 / _median_seconds(device, lambda: torch.matmul(a, b))
+
+
+def _op_seconds(device: torch.device) -> float:
+    """Seconds of overhead per operator: a forward + backward whose FLOPs are negligible, over the
+    operators it dispatches, counted as the cost model counts them (3 x forward's: backward
+    dispatches about two per forward operator)."""
+    from atorch.auto.search.ops import OpCounter
+
+    layers = [layer for _ in range(OP_LAYERS) for layer in (torch.nn.Linear(8, 8), torch.nn.ReLU())]
+    model = torch.nn.Sequential(*layers).to(device)
+    x = torch.randn(1, 8, device=device)
+    with OpCounter() as ops:
+        model(x)
+
+    def step():
+        model(x).sum().backward()
+
+    return _median_seconds(device, step, batch=10) / (3 * max(ops.count, 1))
 
 
 def _group_sizes(world: int, local: int) -> list[int]:

@@ -141,17 +141,18 @@ def free_copy(model: torch.nn.Module, extra: Iterable = ()) -> None:
 
 
 def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, stages,
-                 flops: list | None = None) -> tuple[int, int]:
-    """(bytes saved for backward, number of checkpointed modules) of one forward of a copy;
-    the forward's FLOPs are appended to ``flops`` when given."""
+                 counts: list | None = None) -> tuple[int, int]:
+    """(bytes saved for backward, number of checkpointed modules) of one forward of a copy; the
+    forward's FLOPs, then its operator count, are appended to ``counts`` when given."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from atorch.auto.context import ModelContext, move_to_device
+    from atorch.auto.search.ops import OpCounter
     from atorch.methods.checkpoint import CheckpointedForward
 
     probe = copy.deepcopy(model)
     counter = _SavedBytes()
-    flop_counter = FlopCounterMode(display=False)
+    flop_counter, op_counter = FlopCounterMode(display=False), OpCounter()
     try:
         ctx = ModelContext(model=probe, device_ctx=device_ctx, loss_func=loss_func, prepare_input=move_to_device)
         for name, config in strategy.items():
@@ -162,15 +163,15 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
         on_meta = any(p.is_meta for p in probe.parameters())
         if not on_meta:  # a plan on the meta device keeps its meta inputs
             batch = ctx.prepare_input(batch, device_ctx.device)
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), flop_counter:
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), flop_counter, op_counter:
             output = run_model(ctx.model, batch, model_input_format)
             if loss_func is not None:
                 loss_func(batch, output)
         del output
     finally:  # a probe that raised is given back too
         free_copy(probe)
-    if flops is not None:
-        flops.append(flop_counter.get_total_flops())
+    if counts is not None:
+        counts.extend([flop_counter.get_total_flops(), op_counter.count])
     saved = counter.by_dtype
     if on_meta:
         # Meta tensors show what a method does to shapes, not to dtypes (autocast does nothing on
@@ -211,13 +212,13 @@ def probe_key(strategy: Strategy, batch_key: Any) -> tuple:
 
 
 def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, model_input_format, loss_func,
-                     device_ctx, flops: list | None = None) -> int:
+                     device_ctx, counts: list | None = None) -> int:
     """Bytes of activations alive at the peak: those saved by one forward of a copy of ``model``
     under the candidate's module rewrites and checkpointing (parameters excluded), plus, with
     checkpointing, one checkpointed block's activations recomputed during backward. The
-    forward's FLOPs are appended to ``flops`` when given."""
+    forward's FLOPs, then its operator count, are appended to ``counts`` when given."""
     saved, checkpointed = _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx,
-                                       PROBED_STAGES, flops)
+                                       PROBED_STAGES, counts)
     if checkpointed:
         full, _ = _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, (Stage.REWRITE,))
         saved += max(full - saved, 0) // checkpointed
@@ -253,6 +254,7 @@ class StepCost:
     tokens: int = 0  # samples x positions in that batch
     absorbed: frozenset = frozenset()  # methods whose work another method in the strategy does
     methods: tuple = ()  # the names of the strategy's methods
+    forward_ops: float = 0.0  # operators that forward dispatches (each costs the profile's op_seconds)
     # memory, bytes per rank (see the module docstring's formula)
     params: float = 0.0
     grads: float = 0.0
@@ -273,6 +275,9 @@ class StepCost:
     compute_dtype: str = "fp32"  # "fp32" or "half": which matmul rate applies
     passes: float = 3.0  # forward + backward in forwards' FLOPs (checkpointing adds one)
     compute_share: float = 1.0  # share of the model's FLOPs a rank runs
+    # operators a rank dispatches per pass, as a multiple of one forward's: a pipeline stage runs
+    # its share of the layers once per microbatch
+    op_share: float = 1.0
     bubble: float = 0.0  # idle time of a pipeline schedule, as a fraction of the compute
     # bytes moved over the data-parallel group per step, as multiples of the rank's model piece's
     # parameter and gradient bytes ({"grads": 2}: an all-reduce); a ring over n ranks moves
@@ -332,6 +337,9 @@ class StepCost:
         else:
             rate = self.profile.rate(self.compute_dtype)
         compute = self.forward_flops * self.passes * self.compute_share / rate
+        # framework overhead per operator: calibrated on this machine, none in a datasheet profile
+        op_seconds = 0.0 if self.profile is None else self.profile.op_seconds
+        compute += self.forward_ops * self.passes * self.op_share * op_seconds
         piece = self.param_bytes() * self.weight_scale * self.split * self.stage_share
         trainable = self.param_bytes(True) * self.weight_scale * self.split * self.stage_share
         dp = self.dp_size
@@ -375,13 +383,14 @@ class StepCost:
 
 
 def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int], state_factor: float,
-               activations: int, forward_flops: float = 0.0, tokens: int = 0, device_type: str = "cpu") -> StepCost:
+               activations: int, forward_flops: float = 0.0, tokens: int = 0, device_type: str = "cpu",
+               forward_ops: float = 0.0) -> StepCost:
     """The candidate's :class:`StepCost`: the whole model's terms, then each method's ``cost_term``."""
     absorbed = set()
     for name, config in strategy.items():
         absorbed.update(get_method(name).related("absorbs", config))
     cost = StepCost(model, dict(dims), state_factor, device_type, forward_flops, tokens, frozenset(absorbed),
-                    tuple(strategy.opt_names))
+                    tuple(strategy.opt_names), forward_ops)
     cost.params = cost.param_bytes()
     trainable = cost.param_bytes(trainable_only=True)
     cost.grads = cost.step_temp = trainable

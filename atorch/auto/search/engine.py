@@ -69,17 +69,18 @@ def cost_candidate(model, strategy, dims, state_factor, probe, device_type: str 
                    ) -> tuple[cost.StepCost | None, str | None]:
     """The candidate's cost (memory and step time), or the config error that rules it out. Any
     other failure leaves the cost unknown: the dry run will meet the failure and record it
-    properly. ``probe(strategy, flops, dims)`` returns activation bytes of one forward on a
-    per-data-rank batch of the layout ``dims``, appends its FLOPs and returns its tokens."""
+    properly. ``probe(strategy, counts, dims)`` returns activation bytes of one forward on a
+    per-data-rank batch of the layout ``dims`` and its tokens, and appends its FLOPs (then, when
+    counted, its operator count) to ``counts``."""
     try:
         strategy = resolve_strategy(model, strategy)
     except AtorchConfigError as error:
         return None, str(error)
     try:
-        flops: list = []
-        activations, tokens = probe(strategy, flops, dims)
-        return cost.build_cost(model, strategy, dims, state_factor, activations, flops[0] if flops else 0.0,
-                               tokens, device_type), None
+        counts: list = []
+        activations, tokens = probe(strategy, counts, dims)
+        return cost.build_cost(model, strategy, dims, state_factor, activations, counts[0] if counts else 0.0,
+                               tokens, device_type, counts[1] if len(counts) > 1 else 0.0), None
     except Exception as error:  # noqa: BLE001
         logger.debug("no estimate for %s: %s", strategy.opt_names, error)
         return None, None
@@ -142,9 +143,9 @@ def search(
     rates, report.rates = cached_rates(device_ctx.device, device_ctx.world_size)
     micro_batches: dict[int, object] = {}  # per data-parallel size: the batch one data rank gets
 
-    probes: dict[tuple, tuple[int, int, list]] = {}  # cost.probe_key -> activations, tokens, FLOPs
+    probes: dict[tuple, tuple[int, int, list]] = {}  # cost.probe_key -> activations, tokens, counts
 
-    def probe(strategy: Strategy, flops: list, dims: dict[str, int]) -> tuple[int, int]:
+    def probe(strategy: Strategy, counts: list, dims: dict[str, int]) -> tuple[int, int]:
         dp_size = math.prod(size for name, size in dims.items() if name in DATA_PARALLEL_DIMS)
         key = cost.probe_key(strategy, dp_size)
         if key not in probes:  # candidates that differ only in sharding or layout share one probe
@@ -156,7 +157,7 @@ def search(
                                                     probe_ctx.loss_func, device_ctx, counted)
             probes[key] = activations, cost.batch_tokens(batch), counted
         activations, tokens, counted = probes[key]
-        flops.extend(counted)
+        counts.extend(counted)
         return activations, tokens
 
     budget, ratio = options.memory_budget, options.estimate_ratio

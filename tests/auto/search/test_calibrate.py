@@ -37,6 +37,7 @@ def test_calibration_measures_caches_reuses_and_refreshes_on_2_ranks(tmp_path):
     assert all(math.isfinite(v) and v > 0 for v in first.matmul_flops.values())
     assert set(first.matmul_flops) == {"fp32", "bf16"}
     assert set(first.collectives) == set(calib.KINDS)
+    assert 1e-8 < first.op_seconds < 1e-2  # microseconds of Python and dispatch per operator
     for kind, by_size in first.collectives.items():
         link = by_size[2]
         assert math.isfinite(link.bandwidth) and link.bandwidth > 0, kind

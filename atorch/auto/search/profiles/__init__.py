@@ -6,7 +6,8 @@ the bandwidth (bytes/s, each way) and latency (s) of one collective step inside 
 nodes. ``sources`` says where every number comes from (a datasheet, or "assumption").
 Optionally, ``collectives`` gives a link per collective kind (``all_reduce``, ``all_gather``,
 ``reduce_scatter``, ``send_recv``) and group size, as ``atorch calibrate`` measures them on this
-machine (:mod:`atorch.auto.search.calibrate` writes its cache in this schema).
+machine (:mod:`atorch.auto.search.calibrate` writes its cache in this schema), and ``op_seconds``
+the framework overhead per dispatched operator (calibrated; 0 when absent).
 The cost model (:meth:`atorch.auto.search.cost.StepCost.seconds`) uses a profile's rates in place
 of its nominal ones, and ``atorch plan --search --profile NAME`` plans with it::
 
@@ -52,6 +53,10 @@ class HardwareProfile:
     # {kind: {group size: Link}}: measured per collective (see the module docstring); empty in a
     # datasheet profile, whose two links then serve every kind
     collectives: dict = field(default_factory=dict)
+    # seconds of framework overhead per operator a step dispatches (the Python call, dispatch,
+    # autograd's record): measured by calibration; 0 in a datasheet profile (a GPU's launches
+    # overlap the kernels of a model big enough to plan)
+    op_seconds: float = 0.0
 
     def peak(self, compute_dtype: str) -> float:
         """Peak dense FLOP/s for the cost model's compute dtype ("half" or "fp32")."""
@@ -111,9 +116,12 @@ def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwarePro
                    for kind, by_size in data.get("collectives", {}).items()}
     links = [_link(data["intra_node"]), _link(data["inter_node"])] + [
         link for by_size in collectives.values() for link in by_size.values()]
-    if (not 0 < fraction <= 1 or not all(math.isfinite(v) and v > 0 for v in data["matmul_flops"].values())
+    op_seconds = float(data.get("op_seconds", 0.0))
+    if (not 0 < fraction <= 1 or not math.isfinite(op_seconds) or op_seconds < 0
+            or not all(math.isfinite(v) and v > 0 for v in data["matmul_flops"].values())
             or not all(math.isfinite(v) and v > 0 for link in links for v in (link.bandwidth, link.latency))):
-        raise UnknownProfileError(f"hardware profile {path}: rates must be positive and sustained_fraction in (0, 1]")
+        raise UnknownProfileError(f"hardware profile {path}: rates must be positive, op_seconds not negative and "
+                                  "sustained_fraction in (0, 1]")
     return HardwareProfile(
         name=data.get("name", path.stem),
         matmul_flops={k: float(v) for k, v in data["matmul_flops"].items()},
@@ -126,4 +134,5 @@ def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwarePro
         description=data.get("description", ""),
         attention=data.get("attention", "math"),
         collectives=collectives,
+        op_seconds=op_seconds,
     )

@@ -1,0 +1,78 @@
+"""The cost model's per-operator overhead: a step's operators (counted in the probe's forward)
+times the calibrated seconds per operator, the term that FLOPs miss on small models; a pipeline
+stage runs its share of the operators once per microbatch. Datasheet profiles charge none."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from atorch.auto.search import cost
+from atorch.auto.search.ops import OpCounter
+from atorch.auto.search.profiles import UnknownProfileError, load_profile, profile_from_data
+from atorch.auto.strategy import Strategy
+
+
+def test_the_counter_counts_dispatched_operators():
+    x = torch.randn(4, 4)
+    with OpCounter() as ops:
+        (x @ x).relu().sum()
+    assert ops.count == 3
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(4)))
+
+
+def test_the_probe_counts_the_forward_operators():
+    from atorch.auto.environment import DeviceContext
+
+    counts: list = []
+    cost.activation_bytes(_model(), Strategy([("parallel_mode", {})]), torch.randn(2, 16), None, None,
+                          DeviceContext.detect(), counts)
+    flops, ops = counts
+    assert flops == 2 * 2 * 16 * 16 * 4  # four matmuls of a 2 x 16 batch
+    assert ops >= 4  # at least a linear (addmm) per layer
+
+
+def _profile(op_seconds: float):
+    h100 = load_profile("h100_80gb")
+    return dataclasses.replace(h100, op_seconds=op_seconds)
+
+
+def test_each_operator_of_each_pass_costs_the_calibrated_overhead():
+    step = cost.build_cost(_model(), Strategy([("parallel_mode", {})]), {"data": 1}, 2.0, 0, 1e6, 32, "cuda",
+                           forward_ops=100)
+    step.profile = _profile(0.0)
+    without = step.seconds()
+    step.profile = _profile(1e-5)
+    assert step.seconds() - without == pytest.approx(100 * 3 * 1e-5)
+    checkpointed = cost.build_cost(_model(), Strategy([("parallel_mode", {}), "checkpoint"]), {"data": 1}, 2.0, 0,
+                                   1e6, 32, "cuda", forward_ops=100)
+    checkpointed.profile = _profile(1e-5)
+    assert checkpointed.passes == 4  # the recomputed forward dispatches its operators again
+
+
+def test_a_named_profile_charges_no_overhead():
+    assert load_profile("h100_80gb").op_seconds == 0.0
+
+
+def test_a_pipeline_stage_runs_its_operators_once_per_microbatch():
+    from atorch.methods.pipeline_parallel import pipeline_terms
+    from atorch.pipeline.auto import PipelineFields
+
+    step = cost.build_cost(_model(), Strategy([("parallel_mode", {})]), {"pipeline": 2}, 2.0, 0, 1e6, 32)
+    pipeline_terms(step, PipelineFields(num_microbatches=4, pipeline_cuts=["1"]), 2)
+    assert step.op_share == pytest.approx(0.5 * 4)
+
+
+def test_a_negative_overhead_is_refused():
+    data = {"matmul_flops": {"fp32": 1e9}, "sustained_fraction": 1.0, "memory": "1GiB", "gpus_per_node": 1,
+            "intra_node": {"bandwidth": 1e9, "latency": 1e-5}, "inter_node": {"bandwidth": 1e9, "latency": 1e-5},
+            "sources": {"matmul_flops": "t", "memory": "t", "intra_node.bandwidth": "t", "inter_node.bandwidth": "t"},
+            "op_seconds": -1.0}
+    with pytest.raises(UnknownProfileError, match="op_seconds"):
+        profile_from_data(data)
+    data["op_seconds"] = 2e-6
+    assert profile_from_data(data).op_seconds == 2e-6
