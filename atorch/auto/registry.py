@@ -106,8 +106,13 @@ class MethodSpec:
     # Configs whose relations differ from the default config's (a backend switch): listed one by
     # one in docs/methods/compatibility.md.
     variants: tuple[dict, ...] = ()
-    # The method trades speed for memory (checkpointing, sharding): the search only tries it when
-    # the same candidate without it is estimated not to fit the memory budget.
+    # The method lowers the peak memory (checkpointing, sharding): a search that finds nothing
+    # within the budget suggests it when no candidate could use it.
+    saves_memory: bool = False
+    # The method only trades speed for memory (checkpointing: it never makes a step faster): the
+    # search only tries it when the same candidate without it may not fit the memory budget.
+    # Sharding saves memory but is not memory_only: it divides the optimizer's step, which the
+    # cost model times, so it is judged by its estimated step like any other method.
     memory_only: bool = False
     # The method's term in the cost model's activation probe (atorch/auto/search/cost.py) where
     # the probe cannot show the method's effect (meta tensors, when planning with no hardware):

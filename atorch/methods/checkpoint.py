@@ -97,6 +97,7 @@ register_method(
         description="activation checkpointing: recompute chosen blocks in backward to save memory",
         resolve=resolve,
         search_space=({},),
+        saves_memory=True,
         memory_only=True,
         cost_term=cost_term,
     )

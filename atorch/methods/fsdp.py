@@ -124,7 +124,7 @@ register_method(
         absorbs=("amp_native",),
         resolve=resolve,
         search_space=({},),
-        memory_only=True,
+        saves_memory=True,
         cost_term=cost_term,
     )
 )

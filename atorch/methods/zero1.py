@@ -75,6 +75,7 @@ def cost_term(config: Zero1Config, cost) -> None:
         largest = max((p.numel() * p.element_size() for p in cost.model.parameters() if p.requires_grad),
                       default=0) * cost.weight_scale * cost.split
         cost.optim_state = max(cost.optim_state, largest * cost.state_factor)
+        cost.stepped = max(cost.stepped, largest)
         cost.step_temp = max(cost.step_temp, largest)
     cost.data_sync = {"grads": 2, "params": 1}  # all-reduce gradients, broadcast updated parameters
     # DDP's gradient buckets, then one broadcast per rank (each rank's bucket of updated parameters)
@@ -92,7 +93,7 @@ register_method(
         conflicts={"zero2": ONE_SHARDING, "fsdp": ONE_SHARDING},
         unsupported=_unsupported,
         search_space=({},),
-        memory_only=True,
+        saves_memory=True,
         cost_term=cost_term,
     )
 )

@@ -151,7 +151,7 @@ register_method(
         variants=({"not_use_fsdp": True}, {"use_ds_zero": True}),
         unsupported=_unsupported,
         search_space=({},),
-        memory_only=True,
+        saves_memory=True,
         cost_term=cost_term,
     )
 )

@@ -16,6 +16,8 @@ used). The formula's terms are kept apart so the report can show where the memor
 import copy
 import itertools
 import math
+import statistics
+import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -26,6 +28,7 @@ from atorch.auto.context import run_model
 from atorch.auto.registry import Stage, get_method
 from atorch.auto.strategy import Strategy
 from atorch.distributed.topology import DATA_PARALLEL_DIMS
+from atorch.utils.log import logger
 
 # How far the memory estimate may be from the measured peak, as estimated / measured: the bounds
 # tests/auto/search/test_cost.py holds it to. Measured: 0.90-1.16 on the transformers of
@@ -85,6 +88,35 @@ def optimizer_state_factor(optim_func, optim_args: dict) -> float:
     state = sum(v.numel() * v.element_size() for s in optim.state.values() for v in s.values()
                 if torch.is_tensor(v) and v.ndim > 0)
     return state / (param.numel() * param.element_size())
+
+
+OPTIMIZER_PROBE_ELEMENTS = 2**20  # fp32 elements of the parameter whose step is timed (4 MiB)
+
+
+def optimizer_seconds_per_byte(optim_func, optim_args: dict, device: torch.device) -> float:
+    """Seconds the optimizer's step takes per byte of fp32 parameter it updates, timed on this
+    device: one 4 MiB parameter, the median of 3 steps after the one that creates the state. 0
+    when it cannot be timed (no optimizer, or one that needs more than parameters and a gradient)."""
+    if optim_func is None:
+        return 0.0
+    try:
+        param = torch.nn.Parameter(torch.zeros(OPTIMIZER_PROBE_ELEMENTS, device=device))
+        param.grad = torch.full_like(param, 1e-3)
+        optim = optim_func([param], **optim_args)
+        optim.step()
+        times = []
+        for _ in range(3):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            optim.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+    except Exception as error:  # noqa: BLE001 - an optimizer this cannot step is simply not timed
+        logger.debug("optimizer step not timed: %s", error)
+        return 0.0
+    return statistics.median(times) / (OPTIMIZER_PROBE_ELEMENTS * 4)
 
 
 def _largest_unit_bytes(model: torch.nn.Module, unit_classes: list[str]) -> int:
@@ -255,6 +287,10 @@ class StepCost:
     absorbed: frozenset = frozenset()  # methods whose work another method in the strategy does
     methods: tuple = ()  # the names of the strategy's methods
     forward_ops: float = 0.0  # operators that forward dispatches (each costs the profile's op_seconds)
+    # the optimizer's step, timed on this device (optimizer_seconds_per_byte; 0: not charged), and
+    # the trainable bytes this rank's optimizer steps (a sharding method divides them)
+    optim_seconds_per_byte: float = 0.0
+    stepped: float = 0.0
     # memory, bytes per rank (see the module docstring's formula)
     params: float = 0.0
     grads: float = 0.0
@@ -315,6 +351,7 @@ class StepCost:
         if optim:
             self.optim_state /= dp
             self.step_temp /= dp
+            self.stepped /= dp
 
     def split_model(self, share: float) -> None:
         """Keep ``share`` of the parameters, gradients and optimizer state on this rank."""
@@ -322,6 +359,7 @@ class StepCost:
         self.grads *= share
         self.optim_state *= share
         self.step_temp *= share
+        self.stepped *= share
 
     def memory(self) -> "MemoryEstimate":
         return MemoryEstimate(math.ceil(self.params), math.ceil(self.grads), math.ceil(self.optim_state),
@@ -329,9 +367,10 @@ class StepCost:
                               self.forward_flops, math.ceil(self.grads * self.backward_grad_share))
 
     def seconds(self) -> float:
-        """compute (x the pipeline bubble) + communication not overlapped with it, at nominal
-        rates, or at the rates of ``profile`` when one is set (each collective at its own rate,
-        and one latency per collective of the data-parallel sync: ``sync_calls``)."""
+        """compute (x the pipeline bubble) + communication not overlapped with it + the optimizer's
+        step over what this rank steps, at nominal rates, or at the rates of ``profile`` when one
+        is set (each collective at its own rate, and one latency per collective of the
+        data-parallel sync: ``sync_calls``)."""
         if self.profile is None:
             rate = _FLOPS.get(self.device_type, _FLOPS["cpu"])[self.compute_dtype]
         else:
@@ -358,7 +397,7 @@ class StepCost:
             if self.size(c.dim) > 1:
                 bandwidth, latency = self._link((c.dim,), c.kind)
                 comm += c.elements * element * c.factor / bandwidth + c.messages * latency
-        return compute * (1 + self.bubble) + comm
+        return compute * (1 + self.bubble) + comm + self.stepped * self.optim_seconds_per_byte
 
     def _calls(self, kind: str, moved: float) -> float:
         """Collectives of ``kind`` in the data-parallel sync that moves ``moved`` bytes per step."""
@@ -384,16 +423,16 @@ class StepCost:
 
 def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int], state_factor: float,
                activations: int, forward_flops: float = 0.0, tokens: int = 0, device_type: str = "cpu",
-               forward_ops: float = 0.0) -> StepCost:
+               forward_ops: float = 0.0, optim_seconds_per_byte: float = 0.0) -> StepCost:
     """The candidate's :class:`StepCost`: the whole model's terms, then each method's ``cost_term``."""
     absorbed = set()
     for name, config in strategy.items():
         absorbed.update(get_method(name).related("absorbs", config))
     cost = StepCost(model, dict(dims), state_factor, device_type, forward_flops, tokens, frozenset(absorbed),
-                    tuple(strategy.opt_names), forward_ops)
+                    tuple(strategy.opt_names), forward_ops, optim_seconds_per_byte)
     cost.params = cost.param_bytes()
     trainable = cost.param_bytes(trainable_only=True)
-    cost.grads = cost.step_temp = trainable
+    cost.grads = cost.step_temp = cost.stepped = trainable
     cost.optim_state = trainable * state_factor
     cost.activations = activations
     for name, config in strategy.items():

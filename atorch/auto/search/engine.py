@@ -66,7 +66,7 @@ def estimate_candidate(model, strategy, dp_size, state_factor, probe) -> tuple[c
 
 
 def cost_candidate(model, strategy, dims, state_factor, probe, device_type: str = "cpu",
-                   ) -> tuple[cost.StepCost | None, str | None]:
+                   optim_seconds_per_byte: float = 0.0) -> tuple[cost.StepCost | None, str | None]:
     """The candidate's cost (memory and step time), or the config error that rules it out. Any
     other failure leaves the cost unknown: the dry run will meet the failure and record it
     properly. ``probe(strategy, counts, dims)`` returns activation bytes of one forward on a
@@ -80,7 +80,8 @@ def cost_candidate(model, strategy, dims, state_factor, probe, device_type: str 
         counts: list = []
         activations, tokens = probe(strategy, counts, dims)
         return cost.build_cost(model, strategy, dims, state_factor, activations, counts[0] if counts else 0.0,
-                               tokens, device_type, counts[1] if len(counts) > 1 else 0.0), None
+                               tokens, device_type, counts[1] if len(counts) > 1 else 0.0,
+                               optim_seconds_per_byte), None
     except Exception as error:  # noqa: BLE001
         logger.debug("no estimate for %s: %s", strategy.opt_names, error)
         return None, None
@@ -139,6 +140,9 @@ def search(
         candidates = candidate_space(device_ctx, excluded, included, base, layouts, counts)
         counts["generated"] += len(ineligible)
     state_factor = cost.optimizer_state_factor(probe_ctx.optim_func, probe_ctx.optim_args)
+    # The step's cost per byte on this device: sharding the optimizer state divides it (zero1 on a CPU).
+    optim_rate = from_rank0(cost.optimizer_seconds_per_byte(probe_ctx.optim_func, probe_ctx.optim_args,
+                                                            device_ctx.device))
     # This machine's calibrated rates when `atorch calibrate` has measured them, nominal otherwise.
     rates, report.rates = cached_rates(device_ctx.device, device_ctx.world_size)
     micro_batches: dict[int, object] = {}  # per data-parallel size: the batch one data rank gets
@@ -189,7 +193,8 @@ def search(
                                                       layout=text, pruned_by=TIME_LIMIT)))
             continue
         began = time.perf_counter()
-        estimate, reason = cost_candidate(model, strategy, dims, state_factor, probe, device_ctx.device.type)
+        estimate, reason = cost_candidate(model, strategy, dims, state_factor, probe, device_ctx.device.type,
+                                          optim_rate)
         if estimate is not None:
             estimate.profile = rates
         # Decisions use agreed values only, so every rank prunes and runs the same candidates.
@@ -421,7 +426,7 @@ def _no_winner_note(results, options: SearchOptions, timed_out: bool) -> str:
     peak, how, smallest = min(peaks, key=lambda item: item[0])
     names = " + ".join(smallest.names) or "(plain)"
     # Memory-saving methods no candidate used (excluded, or not runnable here) could help.
-    unused = [s.name for s in all_methods() if s.memory_only and s.search_space
+    unused = [s.name for s in all_methods() if (s.saves_memory or s.memory_only) and s.search_space
               and not any(s.name in r.names for _, r in results)]
     helps = "more ranks or a smaller batch per rank" + (f", or allowing {', '.join(unused)}" if unused else "")
     if how == "estimated":
