@@ -240,8 +240,12 @@ def scenario(name: str, size: Size, spec: Scenario, repeats: int, steps: int, re
     search_s = _agreed_seconds(start)
     dist.barrier()  # rank 0 has written the report
     report = SearchReport.load(report_file)
+    # what the search measured, beside the exhaustive run's measurements of the same candidates
+    ran = [{"strategy": _label(c.strategy, world), "status": c.status, "throughput": c.throughput,
+            "measured_peak_bytes": c.measured_peak_bytes, "estimated_step_seconds": c.estimated_step_seconds,
+            "reason": c.reason} for c in report.candidates if c.status in ("measured", "failed")]
     search = {"search_seconds": search_s, "search_generated": report.generated, "search_dry_run": report.dry_run,
-              "search_pruned": report.pruned, "search_note": report.note}
+              "search_pruned": report.pruned, "search_note": report.note, "search_ran": ran}
     winner = None if report.winner is None else report.candidates[report.winner]
     if not status:
         return {**common, **search, "picked": None, "best": best.strategy, "throughput_ratio": 0.0,

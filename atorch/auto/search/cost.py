@@ -234,25 +234,48 @@ def batch_tokens(batch: Any) -> int:
 PROBED_STAGES = (Stage.REWRITE, Stage.MEMORY)  # the stages whose hooks a probe applies to its copy
 
 
-def probe_key(strategy: Strategy, batch_key: Any) -> tuple:
-    """All that a probe of ``strategy`` depends on besides the model: the batch it runs and the
-    configs of the methods it applies. Candidates that differ only in what a probe does not apply
-    (sharding, layouts) share one probe."""
-    applied = tuple((name, config.model_dump_json()) for name, config in strategy.items()
-                    if get_method(name).probed and any(stage in PROBED_STAGES for stage in get_method(name).hooks))
-    return batch_key, applied
+def _applied(strategy: Strategy, stages) -> tuple:
+    """What a probe at ``stages`` applies to its copy: each method's name, config and hooks."""
+    applied = []
+    for name, config in strategy.items():
+        hooks = tuple(str(stage) for stage in get_method(name).hooks if stage in stages)
+        if get_method(name).probed and hooks:
+            applied.append((name, config.model_dump_json(), hooks))
+    return tuple(applied)
+
+
+def _probe(memo: dict | None, model, strategy, batch, model_input_format, loss_func, device_ctx, stages,
+           counts: list | None = None) -> tuple[int, int]:
+    """:func:`_saved_bytes`, run once per batch and applied methods when ``memo`` is a dict: all
+    that a probe depends on besides the model, so candidates that differ only in what a probe does
+    not apply (sharding, layouts) share one, and a checkpointed candidate's forward without
+    checkpointing is its plain twin's. The memo holds ``batch`` by id: keep the batch alive."""
+    key = (id(batch), _applied(strategy, stages))
+    if memo is None or key not in memo:
+        counted: list = []
+        value = _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, stages, counted)
+        if memo is None:
+            if counts is not None:
+                counts.extend(counted)
+            return value
+        memo[key] = value, counted
+    value, counted = memo[key]
+    if counts is not None:
+        counts.extend(counted)
+    return value
 
 
 def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, model_input_format, loss_func,
-                     device_ctx, counts: list | None = None) -> int:
+                     device_ctx, counts: list | None = None, memo: dict | None = None) -> int:
     """Bytes of activations alive at the peak: those saved by one forward of a copy of ``model``
     under the candidate's module rewrites and checkpointing (parameters excluded), plus, with
     checkpointing, one checkpointed block's activations recomputed during backward. The
-    forward's FLOPs, then its operator count, are appended to ``counts`` when given."""
-    saved, checkpointed = _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx,
-                                       PROBED_STAGES, counts)
+    forward's FLOPs, then its operator count, are appended to ``counts`` when given; with a
+    ``memo`` dict, probes the same as one already run are not run again (:func:`_probe`)."""
+    saved, checkpointed = _probe(memo, model, strategy, batch, model_input_format, loss_func, device_ctx,
+                                 PROBED_STAGES, counts)
     if checkpointed:
-        full, _ = _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, (Stage.REWRITE,))
+        full, _ = _probe(memo, model, strategy, batch, model_input_format, loss_func, device_ctx, (Stage.REWRITE,))
         saved += max(full - saved, 0) // checkpointed
     return saved
 

@@ -41,7 +41,11 @@ def train_step(ctx: ModelContext, batch) -> torch.Tensor:
 
 
 def _peak_bytes(ctx: ModelContext, step: Callable[[], None]) -> int:
-    """Peak tensor memory of one step on this rank (pipeline schedules included)."""
+    """Peak tensor memory of one step on this rank (pipeline schedules included). Garbage is
+    collected first, so the step starts from the same state whatever ran before in this process:
+    what reference cycles hold waits for the collector, whose timing follows the process's
+    history of allocations."""
+    gc.collect()
     optim = unwrap_optimizer(ctx.optim)
     with PeakMemory(ctx.model, *([optim] if isinstance(optim, torch.optim.Optimizer) else [])) as tracker:
         step()

@@ -147,22 +147,16 @@ def search(
     rates, report.rates = cached_rates(device_ctx.device, device_ctx.world_size)
     micro_batches: dict[int, object] = {}  # per data-parallel size: the batch one data rank gets
 
-    probes: dict[tuple, tuple[int, int, list]] = {}  # cost.probe_key -> activations, tokens, counts
+    probes: dict = {}  # cost._probe's memo: one forward per distinct probe (micro_batches keeps the batches)
 
     def probe(strategy: Strategy, counts: list, dims: dict[str, int]) -> tuple[int, int]:
         dp_size = math.prod(size for name, size in dims.items() if name in DATA_PARALLEL_DIMS)
-        key = cost.probe_key(strategy, dp_size)
-        if key not in probes:  # candidates that differ only in sharding or layout share one probe
-            if dp_size not in micro_batches:
-                micro_batches[dp_size] = _first_micro_batch(probe_ctx, dp_size)
-            batch, counted = micro_batches[dp_size], []
-            with quiet():
-                activations = cost.activation_bytes(model, strategy, batch, probe_ctx.model_input_format,
-                                                    probe_ctx.loss_func, device_ctx, counted)
-            probes[key] = activations, cost.batch_tokens(batch), counted
-        activations, tokens, counted = probes[key]
-        counts.extend(counted)
-        return activations, tokens
+        if dp_size not in micro_batches:
+            micro_batches[dp_size] = _first_micro_batch(probe_ctx, dp_size)
+        batch = micro_batches[dp_size]
+        with quiet():
+            return cost.activation_bytes(model, strategy, batch, probe_ctx.model_input_format, probe_ctx.loss_func,
+                                         device_ctx, counts, memo=probes), cost.batch_tokens(batch)
 
     budget, ratio = options.memory_budget, options.estimate_ratio
     results: list[tuple[Strategy, CandidateResult]] = []

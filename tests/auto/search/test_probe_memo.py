@@ -1,0 +1,35 @@
+"""The search runs one probe forward per distinct probe (cost._probe's memo): candidates that
+differ only in what a probe does not apply (sharding, layouts) share it, and a checkpointed
+candidate's forward without checkpointing is its plain twin's. The memo must change no estimate."""
+
+import torch
+
+from atorch.auto.environment import DeviceContext
+from atorch.auto.plan import resolve_strategy
+from atorch.auto.search import cost
+from atorch.auto.strategy import Strategy
+from tests.helpers.models import TinyTransformer, TokenDataset
+
+CANDIDATES = ([], ["checkpoint"], ["zero2"], ["checkpoint", "zero2"], [("amp_native", "bf16")])
+
+
+def test_shared_probes_run_once_and_give_the_same_estimates(monkeypatch):
+    torch.manual_seed(0)
+    model = TinyTransformer(layers=2)
+    batch = {k: torch.stack([TokenDataset(n=4)[i][k] for i in range(2)]) for k in ("input_ids", "labels")}
+    device_ctx = DeviceContext.detect()
+    forwards = []
+    real = cost._saved_bytes
+    monkeypatch.setattr(cost, "_saved_bytes", lambda *args, **kw: forwards.append(1) or real(*args, **kw))
+
+    memo: dict = {}
+    for methods in CANDIDATES:
+        strategy = resolve_strategy(model, Strategy([("parallel_mode", {}), *methods]))
+        shared, alone = [], []
+        with_memo = cost.activation_bytes(model, strategy, batch, "unpack_dict", None, device_ctx, shared, memo=memo)
+        before = len(forwards)
+        without = cost.activation_bytes(model, strategy, batch, "unpack_dict", None, device_ctx, alone)
+        assert with_memo == without and shared == alone, methods
+        forwards[before:] = []  # count only the memo's forwards
+    # plain, checkpointed (its second forward is plain's), bf16: zero2 applies nothing in a probe
+    assert len(forwards) == 3
