@@ -97,6 +97,8 @@ def read_cached(path: Path, device: torch.device) -> tuple[dict | None, str]:
         profile_from_data(data, path)
     except (ValueError, KeyError, TypeError) as error:
         return None, f"{path} does not read as a calibration ({error})"
+    if "op_seconds" not in data:
+        return None, f"{path} was measured before the overhead per operator was (run atorch calibrate --refresh)"
     taken, now = data.get("calibration", {}), _setting(device)
     changed = [f"{key} {taken.get(key)} there, {value} here" for key, value in now.items() if taken.get(key) != value]
     if changed:

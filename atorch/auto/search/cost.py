@@ -90,33 +90,42 @@ def optimizer_state_factor(optim_func, optim_args: dict) -> float:
     return state / (param.numel() * param.element_size())
 
 
-OPTIMIZER_PROBE_ELEMENTS = 2**20  # fp32 elements of the parameter whose step is timed (4 MiB)
+OPTIMIZER_PROBE_ELEMENTS = (2**18, 2**21)  # fp32 elements of the two parameters whose steps are timed
 
 
 def optimizer_seconds_per_byte(optim_func, optim_args: dict, device: torch.device) -> float:
     """Seconds the optimizer's step takes per byte of fp32 parameter it updates, timed on this
-    device: one 4 MiB parameter, the median of 3 steps after the one that creates the state. 0
-    when it cannot be timed (no optimizer, or one that needs more than parameters and a gradient)."""
+    device: the slope between the steps of a 1 MiB and an 8 MiB parameter (median of 3 steps each,
+    after the one that creates the state), so a fixed cost per step (a GPU's launches) is not
+    scaled up with the model. 0 when it cannot be timed (no optimizer, or one that needs more
+    than parameters and a gradient)."""
     if optim_func is None:
         return 0.0
     try:
-        param = torch.nn.Parameter(torch.zeros(OPTIMIZER_PROBE_ELEMENTS, device=device))
-        param.grad = torch.full_like(param, 1e-3)
-        optim = optim_func([param], **optim_args)
-        optim.step()
-        times = []
-        for _ in range(3):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            optim.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
+        seconds = [_optimizer_step_seconds(optim_func, optim_args, device, n) for n in OPTIMIZER_PROBE_ELEMENTS]
     except Exception as error:  # noqa: BLE001 - an optimizer this cannot step is simply not timed
         logger.debug("optimizer step not timed: %s", error)
         return 0.0
-    return statistics.median(times) / (OPTIMIZER_PROBE_ELEMENTS * 4)
+    small, large = (4 * n for n in OPTIMIZER_PROBE_ELEMENTS)
+    slope = (seconds[1] - seconds[0]) / (large - small)
+    return slope if slope > 0 else seconds[1] / large  # noisy timings: the large step's mean
+
+
+def _optimizer_step_seconds(optim_func, optim_args: dict, device: torch.device, elements: int) -> float:
+    param = torch.nn.Parameter(torch.zeros(elements, device=device))
+    param.grad = torch.full_like(param, 1e-3)
+    optim = optim_func([param], **optim_args)
+    optim.step()
+    times = []
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        optim.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _largest_unit_bytes(model: torch.nn.Module, unit_classes: list[str]) -> int:
@@ -234,12 +243,17 @@ def batch_tokens(batch: Any) -> int:
 PROBED_STAGES = (Stage.REWRITE, Stage.MEMORY)  # the stages whose hooks a probe applies to its copy
 
 
+def _probe_applies(spec) -> bool:
+    """Whether a probe applies the method's hooks, or (on meta tensors) its activation term."""
+    return spec.probed or spec.activation_term is not None
+
+
 def _applied(strategy: Strategy, stages) -> tuple:
     """What a probe at ``stages`` applies to its copy: each method's name, config and hooks."""
     applied = []
     for name, config in strategy.items():
         hooks = tuple(str(stage) for stage in get_method(name).hooks if stage in stages)
-        if get_method(name).probed and hooks:
+        if _probe_applies(get_method(name)) and hooks:
             applied.append((name, config.model_dump_json(), hooks))
     return tuple(applied)
 
@@ -399,9 +413,11 @@ class StepCost:
         else:
             rate = self.profile.rate(self.compute_dtype)
         compute = self.forward_flops * self.passes * self.compute_share / rate
-        # framework overhead per operator: calibrated on this machine, none in a datasheet profile
+        # framework overhead per operator: calibrated on this machine, none in a datasheet profile;
+        # on a GPU the host issues operators while earlier kernels run: the slower of the two counts
         op_seconds = 0.0 if self.profile is None else self.profile.op_seconds
-        compute += self.forward_ops * self.passes * self.op_share * op_seconds
+        overhead = self.forward_ops * self.passes * self.op_share * op_seconds
+        compute = max(compute, overhead) if self.device_type == "cuda" else compute + overhead
         piece = self.param_bytes() * self.weight_scale * self.split * self.stage_share
         trainable = self.param_bytes(True) * self.weight_scale * self.split * self.stage_share
         dp = self.dp_size
@@ -409,12 +425,13 @@ class StepCost:
         if dp > 1:
             grads = self.data_sync.get("grads", 0)
             # Parameters are gathered (or broadcast); gradients all-reduced (x2) or reduce-scattered (x1).
-            sync = {"all_gather": self.data_sync.get("params", 0) * piece,
-                    "all_reduce" if grads >= 2 else "reduce_scatter": grads * trainable}
-            for kind, moved in sync.items():
+            # kind -> (bytes moved, the payload: what buckets divide)
+            sync = {"all_gather": (self.data_sync.get("params", 0) * piece, piece),
+                    "all_reduce" if grads >= 2 else "reduce_scatter": (grads * trainable, trainable)}
+            for kind, (moved, payload) in sync.items():
                 if moved:
                     bandwidth, latency = self._link(DATA_PARALLEL_DIMS, kind)
-                    comm += moved * (dp - 1) / dp / bandwidth + latency * self._calls(kind, moved)
+                    comm += moved * (dp - 1) / dp / bandwidth + latency * self._calls(kind, payload)
         element = 2 if self.compute_dtype == "half" else 4
         for c in self.comms:
             if self.size(c.dim) > 1:
@@ -422,12 +439,13 @@ class StepCost:
                 comm += c.elements * element * c.factor / bandwidth + c.messages * latency
         return compute * (1 + self.bubble) + comm + self.stepped * self.optim_seconds_per_byte
 
-    def _calls(self, kind: str, moved: float) -> float:
-        """Collectives of ``kind`` in the data-parallel sync that moves ``moved`` bytes per step."""
+    def _calls(self, kind: str, payload: float) -> float:
+        """Collectives of ``kind`` in the data-parallel sync of ``payload`` bytes (the gradients
+        or parameters synced, not the ring's traffic) per step."""
         if kind in self.sync_calls:
             return max(1.0, self.sync_calls[kind])
         bucket = self.sync_calls.get("bucket_bytes")
-        return max(1.0, math.ceil(moved / bucket)) if bucket else 1.0
+        return max(1.0, math.ceil(payload / bucket)) if bucket else 1.0
 
     def _link(self, dims, kind: str | None = None) -> tuple[float, float]:
         """(bandwidth, latency) of collective ``kind`` over a group of ``dims``: nominal by device,

@@ -40,7 +40,7 @@ def train_step(ctx: ModelContext, batch) -> torch.Tensor:
     return loss
 
 
-def _peak_bytes(ctx: ModelContext, step: Callable[[], None]) -> int:
+def _peak_bytes(ctx: ModelContext, step: Callable[[], None]) -> int | None:
     """Peak tensor memory of one step on this rank (pipeline schedules included). Garbage is
     collected first, so the step starts from the same state whatever ran before in this process:
     what reference cycles hold waits for the collector, whose timing follows the process's
@@ -49,7 +49,7 @@ def _peak_bytes(ctx: ModelContext, step: Callable[[], None]) -> int:
     optim = unwrap_optimizer(ctx.optim)
     with PeakMemory(ctx.model, *([optim] if isinstance(optim, torch.optim.Optimizer) else [])) as tracker:
         step()
-    return tracker.peak
+    return None if tracker.failed else tracker.peak
 
 
 def _free_storage(ctx: ModelContext) -> None:

@@ -35,7 +35,8 @@ def _storages(tensor: torch.Tensor) -> Iterable[torch.UntypedStorage]:
 
 
 class PeakMemory(TorchDispatchMode):
-    """``with PeakMemory(model, optimizer) as tracker: step()``; then ``tracker.peak`` (bytes)."""
+    """``with PeakMemory(model, optimizer) as tracker: step()``; then ``tracker.peak`` (bytes),
+    which is not to be trusted when ``tracker.failed`` (a tensor it could not read)."""
 
     def __init__(self, *external):
         super().__init__()
@@ -91,13 +92,18 @@ class PeakMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self._count(leaf)
+        try:
+            for leaf in tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    self._count(leaf)
+        except Exception:  # noqa: BLE001 - the step goes on (a pipeline's peers wait for it); the peak is void
+            self.failed = True
         return out
 
     def __enter__(self):
+        self.failed = False
         self.track(*self._external)
+        entered = super().__enter__()
         original = self._original_resize = torch.UntypedStorage.resize_
         tracker = self
 
@@ -108,7 +114,7 @@ class PeakMemory(TorchDispatchMode):
             return result
 
         torch.UntypedStorage.resize_ = resize_
-        return super().__enter__()
+        return entered
 
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._original_resize

@@ -64,6 +64,7 @@ def _write_calibration(directory, world: int, flops: float, links: dict[str, tup
         "name": "test", "matmul_flops": {"fp32": flops, "bf16": flops / 2}, "sustained_fraction": 1.0,
         "memory": "1GiB", "gpus_per_node": setting["local_world_size"], "intra_node": link, "inter_node": link,
         "collectives": {kind: {str(world): {"bandwidth": bw, "latency": lat}} for kind, (bw, lat) in links.items()},
+        "op_seconds": 0.0,
         "calibration": {"device": "cpu", "world_size": world, **setting},
         "sources": {"matmul_flops": "test", "memory": "test", "intra_node.bandwidth": "test",
                     "inter_node.bandwidth": "test"},
@@ -102,6 +103,16 @@ def test_a_calibration_taken_with_another_setting_is_not_used(tmp_path, monkeypa
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # the cached one was taken with 1 rank per node
     rates, text = calib.cached_rates(torch.device("cpu"), 2, tmp_path)
     assert rates is None and text.startswith("nominal rates") and "local_world_size" in text
+
+
+def test_a_calibration_from_before_the_overhead_per_operator_is_measured_again(tmp_path):
+    _write_calibration(tmp_path, 2, 1e9, {"all_reduce": (1e8, 1e-4)})
+    path = calib.cache_path(torch.device("cpu"), 2, tmp_path)
+    data = json.loads(path.read_text())
+    del data["op_seconds"]
+    path.write_text(json.dumps(data))
+    rates, text = calib.cached_rates(torch.device("cpu"), 2, tmp_path)
+    assert rates is None and "atorch calibrate --refresh" in text
 
 
 def _step_estimate() -> tuple[float, str]:

@@ -42,16 +42,28 @@ def _profile(op_seconds: float):
 
 
 def test_each_operator_of_each_pass_costs_the_calibrated_overhead():
-    step = cost.build_cost(_model(), Strategy([("parallel_mode", {})]), {"data": 1}, 2.0, 0, 1e6, 32, "cuda",
+    step = cost.build_cost(_model(), Strategy([("parallel_mode", {})]), {"data": 1}, 2.0, 0, 1e6, 32, "cpu",
                            forward_ops=100)
     step.profile = _profile(0.0)
     without = step.seconds()
     step.profile = _profile(1e-5)
     assert step.seconds() - without == pytest.approx(100 * 3 * 1e-5)
     checkpointed = cost.build_cost(_model(), Strategy([("parallel_mode", {}), "checkpoint"]), {"data": 1}, 2.0, 0,
-                                   1e6, 32, "cuda", forward_ops=100)
+                                   1e6, 32, "cpu", forward_ops=100)
     checkpointed.profile = _profile(1e-5)
     assert checkpointed.passes == 4  # the recomputed forward dispatches its operators again
+
+
+def test_on_a_gpu_the_host_overhead_overlaps_the_kernels():
+    """The slower of the two counts: the kernels when they are long, the host when they are short."""
+    def seconds(flops, op_seconds):
+        step = cost.build_cost(_model(), Strategy([("parallel_mode", {})]), {"data": 1}, 2.0, 0, flops, 32, "cuda",
+                               forward_ops=100)
+        step.profile = _profile(op_seconds)
+        return step.seconds()
+
+    assert seconds(1e15, 1e-5) == pytest.approx(seconds(1e15, 0.0))  # 4.3 s of kernels hide 3 ms of launches
+    assert seconds(1e6, 1e-5) == pytest.approx(100 * 3 * 1e-5)  # tiny kernels: the host's time
 
 
 def test_a_named_profile_charges_no_overhead():

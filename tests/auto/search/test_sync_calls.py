@@ -41,9 +41,15 @@ def _cost(model, *methods, dims=None):
 
 
 def test_ddp_all_reduces_one_bucket_at_a_time():
-    ddp = _cost(_model())
-    assert ddp._calls("all_reduce", DDP_BUCKET_BYTES / 2) == 1
-    assert ddp._calls("all_reduce", 2.5 * DDP_BUCKET_BYTES) == 3
+    """Buckets divide the gradients, not the ring's traffic (twice the gradients for an all-reduce)."""
+    grads = sum(p.numel() * 4 for p in _model(4, 2048).parameters())  # 64 MiB of gradients: 3 buckets
+    assert 2 * DDP_BUCKET_BYTES < grads <= 3 * DDP_BUCKET_BYTES
+    ddp = _cost(_model(4, 2048))
+    one_call = _cost(_model(4, 2048))
+    one_call.sync_calls = {}
+    _, latency = ddp._link(("data",), "all_reduce")
+    assert ddp.seconds() - one_call.seconds() == pytest.approx(latency * (3 - 1))
+    assert _cost(_model())._calls("all_reduce", DDP_BUCKET_BYTES / 2) == 1
 
 
 def test_fsdp_gathers_and_reduces_unit_by_unit():
