@@ -32,17 +32,16 @@ whether the pick fits (its measured peak against the budget).
 The exhaustive run dry-runs each distinct candidate once (those that planning makes the same on
 this model are counted in "candidates" but run once): 64 of 112 in the first four scenarios, 12
 and 20 in the last two, whose excluded methods keep them small. There the search's own dry runs
-(up to ``max_dryruns``=8) are a large share of the space, so search / exhaustive time cannot go
-far below 0.3.
+(up to ``max_dryruns``=8) are a large share of the space; the twin rules applied again after
+each measured fit, and shared probe forwards, bring them to 0.17-0.20 (2026-11-24).
 
 Wall time on 2 shared cores with 4 ranks: ``--tiny --repeats 2 --steps 2`` takes about 8 minutes
 (exhaustive 34-92 s and search 8-19 s per scenario, plus start-up and timing); its figures mean
 nothing (the toy models' estimates are 0.3-0.5 of their measured peaks, far outside the error the
-search allows, so its boundary scenario can miss). At full size a dry run takes about 7 s per
-candidate on the 4-block Llama, 20 s on deep-narrow and 4-5 s on the tensor-best and
-pipeline-best models: the exhaustive runs alone take about 3 x 7.5 + 21 + 2.5 minutes, and the
-whole benchmark about an hour, so it is best run a few scenarios at a time (``--scenarios``,
-each with its own ``--out``). Before the search released each dry run's copy (2026-11-24), the
+search allows, so its boundary scenario can miss). At full size (2026-11-24) the exhaustive runs
+take about 3 minutes on each of the three 4-block Llama scenarios, 12 on deep-narrow and 1 on
+tensor-best and pipeline-best, and the whole benchmark about 40 minutes, so it is best run a
+scenario at a time (``--scenarios``, each with its own ``--out``). Before the search released each dry run's copy (2026-11-24), the
 exhaustive run of 64 candidates grew to 6 GB per rank and was killed for memory.
 """
 
