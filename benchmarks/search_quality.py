@@ -23,9 +23,9 @@ For each scenario the exhaustive run dry-runs every candidate of the search's ow
 searches with the same budget and ``excluded``. The best of the exhaustive run is its fastest
 candidate that fits the budget, judged as the search judges its dry runs: the measured peak is
 at most the budget, or, for a candidate whose peak was not measured (the tracker failed), its
-estimate fits even at the estimate's known error (``cost.surely_fits`` with the candidate's own
-error bounds). Pipeline candidates' peaks are measured inside the schedule since 2026-11-24. The picked and the best
-strategy are then timed against each other in interleaved blocks. Figures of merit: picked /
+estimate fits even at the lowest estimated / measured ever seen (``cost.ESTIMATE_FLOOR``).
+Pipeline candidates' peaks are measured inside the schedule since 2026-11-24. The picked and the
+best strategy are then timed against each other in interleaved blocks. Figures of merit: picked /
 best throughput (goal >= 0.95), search wall time / exhaustive wall time (goal <= 0.25), and
 whether the pick fits (its measured peak against the budget).
 
@@ -121,21 +121,15 @@ def _label(strategy: dict, world: int) -> str:
 
 def _judged_peak(candidate, model, world: int) -> float | None:
     """The peak the search holds a dry-run candidate to (engine._judge_peak): the measured one, or
-    for a candidate whose peak was not measured (the tracker failed), its estimate over the estimate's
-    lowest known ratio to measured (``cost.surely_fits``), with the candidate's own bounds (a
-    method's cost term may widen them, as checkpoint's does)."""
+    for a candidate whose peak was not measured (the tracker failed), its estimate over the lowest
+    estimated / measured ratio ever seen (``cost.ESTIMATE_FLOOR``)."""
     from atorch.auto.search import cost
-    from atorch.auto.search.engine import layout_dims
-    from atorch.auto.strategy import Strategy
 
     if candidate.measured_peak_bytes is not None:
         return candidate.measured_peak_bytes
     if candidate.estimated_peak_bytes is None:
         return None
-    strategy = Strategy.from_data(candidate.strategy)
-    bounds = cost.candidate_ratio(cost.ESTIMATE_RATIO,
-                                  cost.build_cost(model, strategy, layout_dims(strategy, world), 2.0, 0))
-    return candidate.estimated_peak_bytes / bounds[0]
+    return candidate.estimated_peak_bytes / cost.ESTIMATE_FLOOR
 
 
 def _fits(candidate, budget: int | None, model, world: int) -> bool:

@@ -38,6 +38,19 @@ from atorch.utils.log import logger
 ESTIMATE_RATIO = (0.8, 1.25)
 
 
+# The lowest estimated / measured peak seen on any workload, with a margin: 0.35 on checkpointed
+# candidates of benchmarks/search_quality.py's deep-narrow, 0.65 on its bf16 tensor x pipeline
+# ones (2026-11-24), far under ESTIMATE_RATIO's 0.8. A candidate whose peak was not measured (a
+# dry run the time limit cut short, a tracker that failed) is taken to fit a budget only under
+# this bound: an estimate never returns a strategy over the budget.
+ESTIMATE_FLOOR = 0.3
+
+
+def fits_unmeasured(estimate: int | None, budget: int) -> bool:
+    """Within ``budget`` even if the estimate is as low as any ever measured (ESTIMATE_FLOOR)."""
+    return estimate is not None and estimate / ESTIMATE_FLOOR <= budget
+
+
 def candidate_ratio(ratio: tuple[float, float], estimate: "StepCost | None") -> tuple[float, float]:
     """The search's estimate error bounds for one candidate: lower where one of its methods says
     its estimates run lower (``StepCost.estimate_low``, set by the method's cost term)."""

@@ -276,8 +276,7 @@ def search(
             timed_out = True
             result.reason = f"time_limit: measured over {outcome['timed_steps']} of {options.timed_steps} steps"
         result.measured_peak_bytes = peak = outcome["measured_peak_bytes"]
-        result.status, why = _judge_peak(peak, result.estimated_peak_bytes, options,
-                                         ratios.get(id(result), options.estimate_ratio))
+        result.status, why = _judge_peak(peak, result.estimated_peak_bytes, options)
         result.reason = why or result.reason
         if result.status == MEASURED and peak is not None:
             fits.add(id(strategy))
@@ -293,10 +292,11 @@ def search(
     report.dry_run = sum(1 for r in report.candidates if r.status in (MEASURED, FAILED))
     winner = _pick_winner(results)
     if winner is None and timed_out and not any(r.throughput for _, r in results):
-        # Out of time before any measurement: the simplest candidate that fits the budget even by
-        # the estimate's lowest reading is the safe answer, and the report says it was not measured.
+        # Out of time before any measurement: the simplest candidate that fits the budget even at
+        # the lowest estimated / measured ever seen is the safe answer, and the report says it
+        # was not measured.
         safe = [(s, r) for s, r in results
-                if r.status != FAILED and surely(r)]
+                if r.status != FAILED and cost.fits_unmeasured(r.estimated_peak_bytes, budget)]
         winner = min(safe, key=lambda item: len(item[0]), default=None)
         if winner is not None:
             report.note = (f"time_limit of {options.time_limit:g}s reached before any candidate was measured: the "
@@ -382,16 +382,17 @@ def _first_micro_batch(ctx: ModelContext, dp_size: int):
     return next(iter(loader))
 
 
-def _judge_peak(peak: int | None, estimate: int | None, options: SearchOptions,
-                ratio: tuple[float, float]) -> tuple[str, str | None]:
-    """MEASURED or FAILED (with why) for a dry run that ran: the winner must fit the budget."""
+def _judge_peak(peak: int | None, estimate: int | None, options: SearchOptions) -> tuple[str, str | None]:
+    """MEASURED or FAILED (with why) for a dry run that ran: the winner must fit the budget. An
+    unmeasured peak fits the device's own memory (the run did not run out of it), or a budget its
+    estimate fits even at the lowest estimated / measured ever seen (cost.ESTIMATE_FLOOR)."""
     budget = options.memory_budget
     if peak is not None and peak > budget:
         return FAILED, f"measured peak memory {size_text(peak)} is over the memory budget"
-    if peak is None and not (options.budget_is_device_memory or cost.surely_fits(estimate, budget, ratio)):
-        # A run that did not run out of memory proves nothing about a budget below the device's.
-        return FAILED, (f"peak memory not measured (the tracker cannot follow this strategy, or time ran out) and "
-                        f"its estimate ({size_text(estimate)}) does not fit the budget beyond the estimate's error")
+    if peak is None and not (options.budget_is_device_memory or cost.fits_unmeasured(estimate, budget)):
+        return FAILED, (f"peak memory not measured (time ran out before the tracked step, or the tracker failed) "
+                        f"and its estimate ({size_text(estimate)}) is not {cost.ESTIMATE_FLOOR:g} of the budget or "
+                        "less, the lowest estimated / measured ever seen")
     return MEASURED, None
 
 
