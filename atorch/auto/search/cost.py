@@ -299,11 +299,19 @@ def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, mod
     checkpointing, one checkpointed block's activations recomputed during backward. The
     forward's FLOPs, then its operator count, are appended to ``counts`` when given; with a
     ``memo`` dict, probes the same as one already run are not run again (:func:`_probe`)."""
+    counted: list = []
     saved, checkpointed = _probe(memo, model, strategy, batch, model_input_format, loss_func, device_ctx,
-                                 PROBED_STAGES, counts)
+                                 PROBED_STAGES, counted)
     if checkpointed:
-        full, _ = _probe(memo, model, strategy, batch, model_input_format, loss_func, device_ctx, (Stage.REWRITE,))
+        plain: list = []
+        full, _ = _probe(memo, model, strategy, batch, model_input_format, loss_func, device_ctx, (Stage.REWRITE,),
+                         plain)
         saved += max(full - saved, 0) // checkpointed
+        # A checkpointed block's operators run inside the checkpoint, out of the counter's sight
+        # (193 of 267 counted on a small Llama): the forward's operators are the plain forward's.
+        counted[1:] = plain[1:]
+    if counts is not None:
+        counts.extend(counted)
     return saved
 
 

@@ -33,3 +33,18 @@ def test_shared_probes_run_once_and_give_the_same_estimates(monkeypatch):
         forwards[before:] = []  # count only the memo's forwards
     # plain, checkpointed (its second forward is plain's), bf16: zero2 applies nothing in a probe
     assert len(forwards) == 3
+
+
+def test_a_checkpointed_candidate_counts_the_plain_forwards_operators():
+    """The checkpointed blocks' operators are dispatched out of the counter's sight: the cost
+    model's operator count (and so its overhead term) is the plain forward's, times 4 passes."""
+    torch.manual_seed(0)
+    model = TinyTransformer(layers=2)
+    batch = {k: torch.stack([TokenDataset(n=4)[i][k] for i in range(2)]) for k in ("input_ids", "labels")}
+    device_ctx = DeviceContext.detect()
+    counts = {}
+    for name, methods in (("plain", []), ("checkpoint", ["checkpoint"])):
+        strategy = resolve_strategy(model, Strategy([("parallel_mode", {}), *methods]))
+        counts[name] = []
+        cost.activation_bytes(model, strategy, batch, "unpack_dict", None, device_ctx, counts[name])
+    assert counts["checkpoint"] == counts["plain"]
