@@ -138,7 +138,10 @@ def _dry_run(pristine, strategy, make_context, apply, warmup_steps, timed_steps,
                 break  # the search's time_limit: measure the steps that ran
         try:
             if not late:
-                peak = _peak_bytes(ctx, lambda: train_step(ctx, next(batches)))
+                # Drawn before the tracker starts: a sample can be a view of the dataset's whole
+                # storage (a dataset that slices one tensor), which would count as the step's.
+                batch = next(batches)
+                peak = _peak_bytes(ctx, lambda: train_step(ctx, batch))
         except Exception as exc:  # noqa: BLE001 - a tracker that cannot follow a backend is not fatal
             logger.debug("memory tracking failed for %s: %s", strategy.opt_names, exc)
     except Exception as exc:  # noqa: BLE001

@@ -84,3 +84,28 @@ def test_follows_a_module_run_twice_in_one_step():
     with PeakMemory(model, optim) as peak:
         twice()
     assert peak.peak > 2 * sum(p.numel() * 4 for p in model.parameters())
+
+
+class _Slices(torch.utils.data.Dataset):
+    """Samples that are views of one 16 MiB tensor, as a dataset that slices its tokens hands out."""
+
+    def __init__(self):
+        self.data = torch.randn(2**16, 64)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i]
+
+
+def test_a_dry_run_does_not_count_the_dataset_its_batch_views():
+    # The batch used to be drawn inside the tracked step: indexing the dataset returned a view of
+    # its whole storage, counted as the step's memory (8 MiB on search_quality's deep-narrow).
+    from atorch.auto.search import measure
+
+    report = measure(_model(), [[]], torch.optim.SGD, _Slices(), lambda batch, out: out.square().mean(),
+                     dataloader_args={"batch_size": 8}, timed_steps=1)
+    (candidate,) = report.candidates
+    assert candidate.measured_peak_bytes is not None
+    assert candidate.measured_peak_bytes < MIB  # the model and a batch of 8: about 0.3 MiB
