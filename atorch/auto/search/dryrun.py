@@ -22,7 +22,7 @@ from atorch.auto.context import ModelContext, run_model
 from atorch.auto.plan import resolve_strategy
 from atorch.auto.search.agree import agreement_group, all_ok, first_error, max_each, max_over_ranks
 from atorch.auto.search.cost import free_copy
-from atorch.auto.search.peak import PeakMemory
+from atorch.auto.search.peak import PeakMemory, optimizer_state
 from atorch.auto.strategy import Strategy
 from atorch.distributed.env import destroy_groups
 from atorch.distributed.topology import collective_timeout
@@ -56,8 +56,7 @@ def _free_storage(ctx: ModelContext) -> None:
     """Give back the memory of the candidate's copy: its parameters, buffers, gradients and
     optimizer state (see :func:`atorch.auto.search.cost.free_copy`)."""
     optim = unwrap_optimizer(ctx.optim) if ctx.optim is not None else None
-    states = optim.state.values() if isinstance(optim, torch.optim.Optimizer) else ()
-    free_copy(ctx.model, [v for state in states for v in state.values()])
+    free_copy(ctx.model, optimizer_state(optim) if isinstance(optim, torch.optim.Optimizer) else [])
 
 
 def _release(ctx: ModelContext | None, ran: bool = False) -> None:

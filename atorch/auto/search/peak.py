@@ -8,7 +8,9 @@ keeps no module statistics, so it follows every strategy, pipelines included.
 
 A storage is counted from the first operator that returns a tensor on it until Python's last
 reference to it goes (a weak reference's callback): PyTorch keeps one Python object per storage
-for as long as the storage lives. Resizes (FSDP frees and re-allocates unsharded parameters with
+for as long as the storage lives. A storage first seen as an operator's input and output alike
+(a view or an in-place result of a tensor the tracker was not given) existed before the step and
+is counted from its start: DDP's gradient buckets, the batch. Resizes (FSDP frees and re-allocates unsharded parameters with
 ``UntypedStorage.resize_``, which no dispatch mode sees) are followed by wrapping ``resize_`` while
 the tracker is active. Wrapper subclasses (DTensor) count their inner tensors. Temporaries an
 operator allocates and frees inside itself are not seen.
@@ -34,6 +36,17 @@ def _storages(tensor: torch.Tensor) -> Iterable[torch.UntypedStorage]:
             yield t.untyped_storage()
 
 
+def optimizer_state(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors of an optimizer's state, and of the optimizers it wraps (``.optim``: PyTorch's
+    ZeroRedundancyOptimizer keeps its shard's state in the optimizer it wraps, not in its own)."""
+    tensors, seen = [], set()
+    while isinstance(optim, torch.optim.Optimizer) and id(optim) not in seen:
+        seen.add(id(optim))
+        tensors += [v for state in optim.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        optim = getattr(optim, "optim", None)
+    return tensors
+
+
 class PeakMemory(TorchDispatchMode):
     """``with PeakMemory(model, optimizer) as tracker: step()``; then ``tracker.peak`` (bytes),
     which is not to be trusted when ``tracker.failed`` (a tensor it could not read)."""
@@ -56,27 +69,41 @@ class PeakMemory(TorchDispatchMode):
                 tensors = [*obj.parameters(), *obj.buffers()]
                 tensors += [p.grad for p in obj.parameters() if p.grad is not None]
             elif isinstance(obj, torch.optim.Optimizer):
-                tensors = [v for state in obj.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+                tensors = optimizer_state(obj)
             else:
                 tensors = [v for v in tree_leaves(obj) if isinstance(v, torch.Tensor)]
             for tensor in tensors:
                 self._count(tensor)
 
-    def _count(self, tensor: torch.Tensor) -> None:
+    def _count(self, tensor: torch.Tensor, inputs: frozenset = frozenset()) -> None:
+        """Count ``tensor``'s storages; one not seen before that is among the storages of the
+        operator's ``inputs`` (a view, or an in-place result) existed before the step."""
         for storage in _storages(tensor):
-            key = storage._cdata
-            size = storage.nbytes()
-            with self._lock:
-                if key in self._sizes:
-                    self._resized(key, size)
-                    continue
-                self._sizes[key] = size
-                self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._gone(key))
-                self._add(size)
+            self._count_storage(storage, storage._cdata in inputs)
+
+    def _count_storage(self, storage: torch.UntypedStorage, existing: bool) -> None:
+        key = storage._cdata
+        size = storage.nbytes()
+        with self._lock:
+            if key in self._sizes:
+                self._resized(key, size)
+                return
+            self._sizes[key] = size
+            self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._gone(key))
+            if existing:
+                self._existing(key, size)
+            else:
+                self._changed(key, size, new=True)
+
+    def _existing(self, key: int, size: int) -> None:
+        """Storage ``key`` was alive before the step (seen first as an operator's input, like
+        DDP's gradient buckets, which it allocates when it wraps the model): alive all along."""
+        self.current += size
+        self.peak += size
 
     def _resized(self, key: int, size: int) -> None:
         with self._lock:
-            self._add(size - self._sizes[key])
+            self._changed(key, size - self._sizes[key])
             self._sizes[key] = size
 
     def _gone(self, key: int) -> None:
@@ -84,18 +111,26 @@ class PeakMemory(TorchDispatchMode):
             size = self._sizes.pop(key, None)
             self._refs.pop(key, None)
             if size is not None:
-                self.current -= size
+                self._changed(key, -size)
 
-    def _add(self, size: int) -> None:
+    def _changed(self, key: int, size: int, new: bool = False) -> None:
+        """Storage ``key`` grew by ``size`` bytes (shrank when negative; ``new``: it appeared)."""
         self.current += size
         self.peak = max(self.peak, self.current)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         try:
+            # An operator that writes into its input (DDP's bucket copies, a collective's output
+            # buffer) shows a storage that existed before it: a view may show one the tracker
+            # missed while it was allocated (FSDP2 allocates some storages out of dispatch's sight).
+            inputs = None
             for leaf in tree_leaves(out):
                 if isinstance(leaf, torch.Tensor):
-                    self._count(leaf)
+                    if inputs is None:
+                        inputs = frozenset(s._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                                           for s in _storages(t)) if func._schema.is_mutable else frozenset()
+                    self._count(leaf, inputs)
         except Exception:  # noqa: BLE001 - the step goes on (a pipeline's peers wait for it); the peak is void
             self.failed = True
         return out
@@ -108,9 +143,11 @@ class PeakMemory(TorchDispatchMode):
         tracker = self
 
         def resize_(storage, size):
+            # FSDP's unsharded parameters exist before the step, resized to nothing: known from
+            # here at the size they had, so that growing them counts from now on
+            tracker._count_storage(storage, existing=True)
             result = original(storage, size)
-            if storage._cdata in tracker._sizes:
-                tracker._resized(storage._cdata, storage.nbytes())
+            tracker._resized(storage._cdata, storage.nbytes())
             return result
 
         torch.UntypedStorage.resize_ = resize_

@@ -86,6 +86,17 @@ def test_follows_a_module_run_twice_in_one_step():
     assert peak.peak > 2 * sum(p.numel() * 4 for p in model.parameters())
 
 
+def test_a_tensor_first_seen_in_place_was_alive_all_along():
+    # DDP's gradient buckets: allocated when it wraps the model, first touched by backward's copies
+    untracked = torch.zeros(MIB, dtype=torch.uint8)
+    with PeakMemory() as peak:
+        temporary = torch.empty(MIB, dtype=torch.uint8)
+        del temporary
+        untracked.add_(1)
+    assert peak.peak == 2 * MIB  # the buffer was there while the temporary was
+    assert peak.current == MIB
+
+
 class _Slices(torch.utils.data.Dataset):
     """Samples that are views of one 16 MiB tensor, as a dataset that slices its tokens hands out."""
 
