@@ -118,12 +118,14 @@ def _candidate_rows(model, args, assumptions, memory) -> list:
     for index, strategy in enumerate(candidates, 1):
         _progress(f"[{index}/{len(candidates)}] {' + '.join(strategy.opt_names) or '(plain)'}")
         with quiet():
-            est, reason = estimate_candidate(model, strategy, args.world_size, assumptions.state_factor, probe)
+            est, reason = estimate_candidate(model, strategy, args.world_size, assumptions.state_factor, probe,
+                                              args.device)
         if est is None:
             rows.append((strategy.opt_names, None, reason or "no estimate: a method cannot run on the meta device"))
             continue
         terms = {"params": est.params, "grads": est.grads, "optim_state": est.optim_state, "gathered": est.gathered,
-                 "activations": est.activations, "step_temp": est.step_temp, "backward_grads": est.backward_grads}
+                 "activations": est.activations, "step_temp": est.step_temp, "backward_grads": est.backward_grads,
+                 "buckets": est.buckets}
         if assumptions.accounting == "deepspeed":
             sharding = next((s for s in ("zero1", "zero2", "fsdp") if s in strategy.opt_names), None)
             terms.update(model_states(model, sharding, args.world_size, assumptions))
@@ -133,9 +135,11 @@ def _candidate_rows(model, args, assumptions, memory) -> list:
 
 def _peak(terms: dict) -> int:
     # As cost.MemoryEstimate.total: gradients are freed before forward, so they share a term with
-    # the activations (except those alive at a checkpointed model's peak, late in backward).
-    return (terms["params"] + terms["optim_state"] + terms["gathered"]
-            + max(terms["activations"] + terms.get("backward_grads", 0), terms["grads"] + terms.get("step_temp", 0)))
+    # the activations (except those alive at a checkpointed model's peak, late in backward), and
+    # gathered weights live in forward and backward only.
+    return (terms["params"] + terms["optim_state"] + terms.get("buckets", 0)
+            + max(terms["gathered"] + terms["activations"] + terms.get("backward_grads", 0),
+                  terms["grads"] + terms.get("step_temp", 0)))
 
 
 def _print_table(rows, with_activations: bool, memory: int) -> None:

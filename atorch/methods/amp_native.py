@@ -65,7 +65,7 @@ def cost_term(config: AmpNativeConfig, cost) -> None:
         # autocast keeps a low-precision copy of each weight it casts during forward (a sharding
         # method that absorbs amp gathers its weights in that dtype instead)
         copies = sum(p.numel() * config.dtype.itemsize for p in cost.model.parameters())
-        cost.gathered += copies * cost.split * cost.stage_share
+        cost.copies += copies * cost.split * cost.stage_share
 
 
 def _unsupported(device_ctx, config) -> str | None:

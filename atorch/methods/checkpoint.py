@@ -73,18 +73,19 @@ def apply_checkpoint(ctx: ModelContext, config: CheckpointConfig) -> None:
     logger.info("checkpoint: %d modules of %s checkpointed", len(matched), targets)
 
 
-# Estimated / measured peak of checkpoint candidates, lowest seen, with a margin: 0.69 on the
-# Llama workloads of benchmarks/cost_model.py (docs/benchmarks.md). Part of the activations a
-# checkpoint keeps is not seen by the probe; until it is, the search trusts a checkpoint
-# candidate's estimate to fit only by this much.
+# Estimated / measured peak of checkpoint candidates, lowest seen, with a margin, where the probe
+# only counts what forward saves (meta tensors: `atorch plan`): 0.69 on the Llama workloads of
+# benchmarks/cost_model.py (docs/benchmarks.md). The search trusts such a candidate's estimate
+# to fit only by this much; a probe on real tensors measures the backward (cost.candidate_ratio).
 ESTIMATE_LOW = 0.65
 
 
 def cost_term(config: CheckpointConfig, cost) -> None:
     cost.passes += 1  # the checkpointed blocks' forward runs again in backward
-    # The activation peak is late in backward (a block recomputed while the later blocks'
-    # gradients exist), not at the end of forward: measured on the Llama workloads, 87% of the
-    # gradients were alive at it. Counted whole.
+    # Where the probe does not measure the backward (StepCost.activation_profile): the activation
+    # peak is late in backward (a block recomputed while the later blocks' gradients exist), not
+    # at the end of forward; measured on the Llama workloads, 87% of the gradients were alive at
+    # it. Counted whole.
     cost.backward_grad_share = 1.0
     cost.estimate_low = ESTIMATE_LOW if cost.estimate_low is None else min(cost.estimate_low, ESTIMATE_LOW)
 

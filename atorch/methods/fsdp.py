@@ -102,6 +102,8 @@ def cost_term(config: FsdpConfig, cost) -> None:
     from atorch.auto.search.cost import largest_unit_bytes
 
     cost.shard_over_data(params=True, grads=True, optim=True)
+    cost.grad_buckets = False  # it replaces DDP
+    cost.step_temp = cost.stepped  # the local step runs foreach kernels over the shards (local_step.py)
     # The unit running and the one prefetched are whole on every rank.
     cost.gathered += 2 * largest_unit_bytes(cost.model, list(config.atorch_wrap_cls or [])) * cost.weight_scale * cost.split
     cost.data_sync = {"params": 2, "grads": 1}  # all-gather in forward and backward, reduce-scatter

@@ -97,6 +97,7 @@ def pipeline_terms(cost, config: PipelineFields, stages: int) -> None:
     stages send each microbatch's hidden state forward and its gradient back."""
     from atorch.auto.search.cost import Comm
 
+    cost.grad_buckets = False  # the pipeline model averages the gradients itself: no DDP
     if stages <= 1:
         return
     ranges = stage_ranges(cost.model, config, stages)

@@ -166,6 +166,8 @@ def tensor_terms(cost, tensor: int, sequence_parallel: bool = False) -> None:
 def cost_term(config: TensorParallelConfig, cost) -> None:
     if config.algorithm != "3d":
         tensor_terms(cost, cost.size("tensor"), "sequence_parallel" in cost.methods)
+    else:
+        cost.grad_buckets = False  # hooks reduce each gradient over its own group: no DDP
 
 
 register_method(

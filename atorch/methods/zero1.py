@@ -69,6 +69,7 @@ def _unsupported(device_ctx, config: Zero1Config) -> str | None:
 
 def cost_term(config: Zero1Config, cost) -> None:
     cost.shard_over_data(params=False, grads=False, optim=True)
+    cost.grad_buckets = not config.use_ds_zero  # DeepSpeed's engine replaces DDP
     if not config.use_ds_zero:
         # ZeroRedundancyOptimizer hands out whole tensors: some rank holds the largest one (often
         # the embedding), however many ranks there are.
@@ -76,7 +77,7 @@ def cost_term(config: Zero1Config, cost) -> None:
                       default=0) * cost.weight_scale * cost.split
         cost.optim_state = max(cost.optim_state, largest * cost.state_factor)
         cost.stepped = max(cost.stepped, largest)
-        cost.step_temp = max(cost.step_temp, largest)
+        cost.step_temp = cost.stepped  # foreach kernels over the shard's parameters (local_step.py)
     cost.data_sync = {"grads": 2, "params": 1}  # all-reduce gradients, broadcast updated parameters
     # DDP's gradient buckets, then one broadcast per rank (each rank's bucket of updated parameters)
     cost.sync_calls = {"bucket_bytes": DDP_BUCKET_BYTES, "all_gather": cost.dp_size}

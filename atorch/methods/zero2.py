@@ -105,6 +105,7 @@ def _unsupported(device_ctx, config: Zero2Config) -> str | None:
 
 def cost_term(config: Zero2Config, cost) -> None:
     cost.shard_over_data(params=False, grads=True, optim=True)
+    cost.grad_buckets = False  # it replaces DDP
     cost.data_sync = {"grads": 1, "params": 1}  # reduce-scatter gradients, all-gather updated parameters
     if not config.use_ds_zero and not config.not_use_fsdp:
         _fsdp2_terms(config, cost)
@@ -127,6 +128,7 @@ def _fsdp2_terms(config: Zero2Config, cost) -> None:
     element = cost.param_bytes() * cost.weight_scale / numel
     low = min(1.0, 2 / element) if "amp_native" in cost.methods else 1.0  # FSDP2 gathers in amp's 2-byte dtype
     cost.params = whole / cost.dp_size + whole * low
+    cost.step_temp = cost.stepped  # the local step runs foreach kernels over the shards (local_step.py)
     trainable = cost.param_bytes(trainable_only=True) * cost.weight_scale * cost.split * cost.stage_share
     if config.bucket_params > 0:  # consecutive blocks share a unit up to bucket_params parameters
         trainable_numel = sum(p.numel() for p in cost.model.parameters() if p.requires_grad) or 1

@@ -1,13 +1,18 @@
 """The cost model: peak memory per rank of a candidate, estimated before anything runs.
 
-peak = parameters + optimizer state + gathered weights + max(activations, gradients + step temporaries)
+peak = parameters + optimizer state + DDP's buckets
+       + max(gathered weights + activations, gradients + step temporaries)
 
 Parameters, gradients and optimizer state are divided by the shards a method splits them over;
 gathered weights are the largest FSDP unit twice (the current one and the prefetched one), or
-autocast's low-precision weight copies. Activations and gradients share the last term because
+autocast's low-precision weight copies: both live during forward and backward only, not at the
+optimizer step (an amp + checkpoint estimate was 1.20 of measured while they were counted at it).
+DDP copies the gradients into buckets it allocates once (as large as the gradients).
+Activations and gradients share the last term because
 ``zero_grad(set_to_none=True)`` frees gradients before forward, and backward frees activations
 about as fast as it creates gradients; at the optimizer step the gradients are joined by the
-step's temporaries (the foreach implementations build one intermediate per parameter shard). Activations are measured, not guessed: one forward of a copy
+step's temporaries (on an accelerator the foreach implementations build one intermediate per
+parameter shard; on a CPU the step goes parameter by parameter). Activations are measured, not guessed: one forward of a copy
 of the model, with the candidate's module rewrites and checkpointing applied, on one per-rank
 micro-batch, counting the bytes autograd saves (on the meta device when no real memory may be
 used). The formula's terms are kept apart so the report can show where the memory goes.
@@ -53,8 +58,10 @@ def fits_unmeasured(estimate: int | None, budget: int) -> bool:
 
 def candidate_ratio(ratio: tuple[float, float], estimate: "StepCost | None") -> tuple[float, float]:
     """The search's estimate error bounds for one candidate: lower where one of its methods says
-    its estimates run lower (``StepCost.estimate_low``, set by the method's cost term)."""
-    low = None if estimate is None else estimate.estimate_low
+    its estimates run lower (``StepCost.estimate_low``, set by the method's cost term) and the
+    probe did not measure the step's backward (``StepCost.activation_profile``), which is what
+    such a method's guess stands in for."""
+    low = None if estimate is None or estimate.activation_profile else estimate.estimate_low
     return (ratio[0] if low is None else min(ratio[0], low), ratio[1])
 
 
@@ -80,11 +87,12 @@ class MemoryEstimate:
     # gradients alive together with the activations at their peak (checkpointing moves that peak
     # late into backward, where most gradients exist; without it the peak is at the end of forward)
     backward_grads: int = 0
+    buckets: int = 0  # DDP's gradient buckets, alive all the time
 
     @property
     def total(self) -> int:
-        return self.params + self.optim_state + self.gathered + max(self.activations + self.backward_grads,
-                                                                    self.grads + self.step_temp)
+        return (self.params + self.optim_state + self.buckets
+                + max(self.gathered + self.activations + self.backward_grads, self.grads + self.step_temp))
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -197,11 +205,14 @@ def free_copy(model: torch.nn.Module, extra: Iterable = ()) -> None:
 def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, stages,
                  counts: list | None = None) -> tuple[int, int]:
     """(bytes saved for backward, number of checkpointed modules) of one forward of a copy; the
-    forward's FLOPs, then its operator count, are appended to ``counts`` when given."""
+    forward's FLOPs, its operator count, then (on real tensors, with a loss) the step's
+    activations at the end of forward and their profile over backward
+    (:mod:`atorch.auto.search.timeline`) are appended to ``counts`` when given."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from atorch.auto.context import ModelContext, move_to_device
     from atorch.auto.search.ops import OpCounter
+    from atorch.auto.search.timeline import StepTimeline, envelope
     from atorch.methods.checkpoint import CheckpointedForward
 
     probe = copy.deepcopy(model)
@@ -217,15 +228,33 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
         on_meta = any(p.is_meta for p in probe.parameters())
         if not on_meta:  # a plan on the meta device keeps its meta inputs
             batch = ctx.prepare_input(batch, device_ctx.device)
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), flop_counter, op_counter:
-            output = run_model(ctx.model, batch, model_input_format)
-            if loss_func is not None:
-                loss_func(batch, output)
-        del output
+        timeline, forward_end, loss = StepTimeline(probe), 0, None
+        with timeline:
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), flop_counter, op_counter:
+                output = run_model(ctx.model, batch, model_input_format)
+                if loss_func is not None:
+                    loss = loss_func(batch, output)
+                    loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+            del output  # as a training step drops it once the loss is computed
+            forward_end = len(timeline.events)
+            if not on_meta and torch.is_tensor(loss) and loss.requires_grad:
+                loss.backward()
+            else:
+                loss = None
+        profile = (0, ())
+        if loss is not None and forward_end:
+            grads = [p.grad for p in probe.parameters() if p.grad is not None]
+            moments = timeline.moments(grads)
+            forward = [m for m in moments if m[3] < forward_end]
+            reference = max((m[0] for m in forward), default=0)
+            copies = max((m[2] for m in forward), default=0)
+            grad_bytes = sum(g.untyped_storage().nbytes() for g in grads)
+            profile = (reference, envelope([m[:3] for m in moments], grad_bytes, copies, reference))
+        del loss
     finally:  # a probe that raised is given back too
         free_copy(probe)
     if counts is not None:
-        counts.extend([flop_counter.get_total_flops(), op_counter.count])
+        counts.extend([flop_counter.get_total_flops(), op_counter.count, profile])
     saved = counter.by_dtype
     if on_meta:
         # Meta tensors show what a method does to shapes, not to dtypes (autocast does nothing on
@@ -294,24 +323,31 @@ def _probe(memo: dict | None, model, strategy, batch, model_input_format, loss_f
 
 def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, model_input_format, loss_func,
                      device_ctx, counts: list | None = None, memo: dict | None = None) -> int:
-    """Bytes of activations alive at the peak: those saved by one forward of a copy of ``model``
-    under the candidate's module rewrites and checkpointing (parameters excluded), plus, with
-    checkpointing, one checkpointed block's activations recomputed during backward. The
-    forward's FLOPs, then its operator count, are appended to ``counts`` when given; with a
-    ``memo`` dict, probes the same as one already run are not run again (:func:`_probe`)."""
+    """Bytes of activations at the forward's peak, under the candidate's module rewrites and
+    checkpointing (parameters excluded). On real tensors with a loss, the probe also runs backward
+    and measures them (:mod:`atorch.auto.search.timeline`); otherwise they are the bytes one
+    forward of a copy saves, plus, with checkpointing, one checkpointed block's activations
+    recomputed during backward. The forward's FLOPs, its operator count, then the profile of the
+    activations and gradients over backward (``StepCost.activation_profile``; empty when not
+    measured) are appended to ``counts`` when given; with a ``memo`` dict, probes the same as one
+    already run are not run again (:func:`_probe`)."""
     counted: list = []
     saved, checkpointed = _probe(memo, model, strategy, batch, model_input_format, loss_func, device_ctx,
                                  PROBED_STAGES, counted)
+    reference, profile = counted.pop(2) if len(counted) > 2 else (0, ())
     if checkpointed:
         plain: list = []
         full, _ = _probe(memo, model, strategy, batch, model_input_format, loss_func, device_ctx, (Stage.REWRITE,),
                          plain)
-        saved += max(full - saved, 0) // checkpointed
+        if not profile:
+            saved += max(full - saved, 0) // checkpointed
         # A checkpointed block's operators run inside the checkpoint, out of the counter's sight
         # (193 of 267 counted on a small Llama): the forward's operators are the plain forward's.
-        counted[1:] = plain[1:]
+        counted[1:2] = plain[1:2]
+    if profile:
+        saved = reference
     if counts is not None:
-        counts.extend(counted)
+        counts.extend([*counted, profile])
     return saved
 
 
@@ -361,6 +397,14 @@ class StepCost:
     # share of the gradients alive at the activation peak (see MemoryEstimate.backward_grads)
     backward_grad_share: float = 0.0
     activations: float = 0.0
+    grad_buckets: bool = False  # DDP keeps a copy of the rank's gradients in its buckets
+    # autocast's low-precision copies of the weights a rank computes with, alive in forward and
+    # backward (all of them at the forward's end)
+    copies: float = 0.0
+    # measured by the probe over forward and backward (atorch/auto/search/timeline.py): the step's
+    # worst moments as (share of `activations`, share of `grads`, share of `copies`) alive; it
+    # replaces backward_grad_share, a method's guess, when present
+    activation_profile: tuple = ()
     # what the methods did to the model, as shares and scales of the whole
     weight_scale: float = 1.0  # bytes per parameter relative to the model's own (half: 0.5)
     split: float = 1.0  # share of the parameters left on a rank by splitting layers (tensor)
@@ -420,9 +464,13 @@ class StepCost:
         self.stepped *= share
 
     def memory(self) -> "MemoryEstimate":
+        moments = self.activation_profile or ((1.0, self.backward_grad_share, 1.0),)
+        acts, grads, copies = max(((self.activations * a, self.grads * g, self.copies * c) for a, g, c in moments),
+                                  key=sum)
+        buckets = self.grads if self.grad_buckets and self.dp_size > 1 else 0
         return MemoryEstimate(math.ceil(self.params), math.ceil(self.grads), math.ceil(self.optim_state),
-                              math.ceil(self.gathered), int(self.activations), math.ceil(self.step_temp),
-                              self.forward_flops, math.ceil(self.grads * self.backward_grad_share))
+                              math.ceil(self.gathered + copies), int(acts), math.ceil(self.step_temp),
+                              self.forward_flops, math.ceil(grads), math.ceil(buckets))
 
     def seconds(self) -> float:
         """compute (x the pipeline bubble) + communication not overlapped with it + the optimizer's
@@ -485,7 +533,8 @@ class StepCost:
 
 def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int], state_factor: float,
                activations: int, forward_flops: float = 0.0, tokens: int = 0, device_type: str = "cpu",
-               forward_ops: float = 0.0, optim_seconds_per_byte: float = 0.0) -> StepCost:
+               forward_ops: float = 0.0, optim_seconds_per_byte: float = 0.0,
+               activation_profile: tuple = ()) -> StepCost:
     """The candidate's :class:`StepCost`: the whole model's terms, then each method's ``cost_term``."""
     absorbed = set()
     for name, config in strategy.items():
@@ -494,9 +543,15 @@ def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int],
                     tuple(strategy.opt_names), forward_ops, optim_seconds_per_byte)
     cost.params = cost.param_bytes()
     trainable = cost.param_bytes(trainable_only=True)
-    cost.grads = cost.step_temp = cost.stepped = trainable
+    cost.grads = cost.stepped = trainable
+    # The optimizer step's temporaries: torch's default implementation on an accelerator (foreach)
+    # builds one per parameter at once; on a CPU it steps one parameter at a time, so the largest
+    # counts (AdamW on a CPU: 33 KB for a 321 KB model; a user's foreach=True there is not seen).
+    cost.step_temp = trainable if device_type != "cpu" else max(
+        (p.numel() * p.element_size() for p in model.parameters() if p.requires_grad), default=0)
     cost.optim_state = trainable * state_factor
     cost.activations = activations
+    cost.activation_profile = tuple(activation_profile)
     for name, config in strategy.items():
         term = get_method(name).cost_term
         if term is not None:

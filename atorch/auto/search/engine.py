@@ -56,12 +56,13 @@ class SearchOptions:
     estimate_ratio: tuple[float, float] = cost.ESTIMATE_RATIO
 
 
-def estimate_candidate(model, strategy, dp_size, state_factor, probe) -> tuple[cost.MemoryEstimate | None, str | None]:
+def estimate_candidate(model, strategy, dp_size, state_factor, probe,
+                       device_type: str = "cpu") -> tuple[cost.MemoryEstimate | None, str | None]:
     """The memory estimate of a data-parallel candidate over ``dp_size`` ranks, or the config
     error that rules it out (see :func:`cost_candidate`); ``probe(strategy, flops)`` returns
     activation bytes and appends the forward's FLOPs. ``atorch plan`` uses it."""
     estimate, reason = cost_candidate(model, strategy, {"data": dp_size}, state_factor,
-                                      lambda s, flops, dims: (probe(s, flops), 0))
+                                      lambda s, flops, dims: (probe(s, flops), 0), device_type)
     return (None if estimate is None else estimate.memory()), reason
 
 
@@ -71,7 +72,7 @@ def cost_candidate(model, strategy, dims, state_factor, probe, device_type: str 
     other failure leaves the cost unknown: the dry run will meet the failure and record it
     properly. ``probe(strategy, counts, dims)`` returns activation bytes of one forward on a
     per-data-rank batch of the layout ``dims`` and its tokens, and appends its FLOPs (then, when
-    counted, its operator count) to ``counts``."""
+    counted, its operator count and activation profile) to ``counts``."""
     try:
         strategy = resolve_strategy(model, strategy)
     except AtorchConfigError as error:
@@ -81,7 +82,7 @@ def cost_candidate(model, strategy, dims, state_factor, probe, device_type: str 
         activations, tokens = probe(strategy, counts, dims)
         return cost.build_cost(model, strategy, dims, state_factor, activations, counts[0] if counts else 0.0,
                                tokens, device_type, counts[1] if len(counts) > 1 else 0.0,
-                               optim_seconds_per_byte), None
+                               optim_seconds_per_byte, counts[2] if len(counts) > 2 else ()), None
     except Exception as error:  # noqa: BLE001
         logger.debug("no estimate for %s: %s", strategy.opt_names, error)
         return None, None

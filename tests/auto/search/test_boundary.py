@@ -1,9 +1,9 @@
 """The search at the memory boundary (issue 18), on 2 gloo processes.
 
 A 4-block residual MLP (hidden 256) with AdamW: plain DDP peaks near 21 MiB per rank, the
-sharded candidates near 10-11 MiB, and the cost model over-estimates the sharded ones to a little
-over 12 MiB. With a 12 MiB budget the search must dry-run those near-boundary candidates and
-return one whose measured peak fits, never plain DDP.
+fully sharded candidates near 10-11 MiB. With a 12 MiB budget the search must dry-run the
+candidates near the boundary (estimated within the estimate's error of it) and return one whose
+measured peak fits, never plain DDP.
 """
 
 import pytest
@@ -77,8 +77,11 @@ def search_mlp(report_file, memory_budget, **kwargs):
 
 
 def test_a_budget_just_under_the_estimates_returns_a_sharded_strategy_that_fits(tmp_path):
-    """The repro of issue 18: every sharded candidate is estimated a little over 12 MiB; the
-    answer used to be plain DDP, unmeasured, peaking at 21 MiB, under a false time_limit note."""
+    """The repro of issue 18: every sharded candidate was estimated a little over 12 MiB (they
+    are estimated at 10.1-12.3 MiB since the probe measures the backward); the answer used to be
+    plain DDP, unmeasured, peaking at 21 MiB, under a false time_limit note."""
+    from atorch.auto.search.cost import ESTIMATE_RATIO
+
     path = str(tmp_path / "report.json")
     budget = 12 * MIB
     results = run_distributed(search_mlp, 2, path, "12MiB", time_limit=600)
@@ -91,8 +94,9 @@ def test_a_budget_just_under_the_estimates_returns_a_sharded_strategy_that_fits(
     assert winner.measured_peak_bytes is not None and winner.measured_peak_bytes <= budget
     plain = next(c for c in report.candidates if c.names == ["parallel_mode"])
     assert plain.status == "pruned" and "memory budget" in plain.reason
-    # the near-boundary candidates were dry-run, not pruned on an over-estimate
-    near = [c for c in report.candidates if SHARDED & set(c.names) and budget < (c.estimated_peak_bytes or 0)]
+    # the near-boundary candidates (not sure to fit at the estimate's error) were dry-run
+    near = [c for c in report.candidates
+            if SHARDED & set(c.names) and budget * ESTIMATE_RATIO[0] < (c.estimated_peak_bytes or 0)]
     assert any(c.status == "measured" for c in near), report.table()
     assert "time_limit" not in (report.note or "")
 
@@ -100,7 +104,7 @@ def test_a_budget_just_under_the_estimates_returns_a_sharded_strategy_that_fits(
 @pytest.mark.parametrize("budget, how", [("6MiB", "estimated"), ("9.8MiB", "measured")])
 def test_a_budget_nothing_meets_returns_false_and_says_what_would_fit(tmp_path, budget, how):
     """6 MiB: every candidate is over beyond the estimate's error, so none runs. 9.8 MiB: the
-    sharded ones are near the boundary, run, and measure 10.1-12.2 MiB."""
+    sharded ones are near the boundary, run, and measure 10.3-16.1 MiB."""
     from atorch.auto.search.cost import parse_bytes
     from atorch.auto.search.report import size_text
 
@@ -121,15 +125,15 @@ def test_a_budget_nothing_meets_returns_false_and_says_what_would_fit(tmp_path, 
 
 
 def test_max_dryruns_keeps_a_slot_for_a_candidate_sure_to_fit(tmp_path):
-    """15.5 MiB, one dry run: zero2 is estimated fastest but near the boundary (it measures 16.2
-    MiB, over); fsdp is estimated at 12.2 MiB, within the budget even at the estimate's error.
-    The one dry run goes to fsdp, so the search answers; before, it ran zero2 and returned
-    status False although a strategy that fits was in its space."""
-    results = run_distributed(search_mlp, 2, str(tmp_path / "report.json"), "15.5MiB", max_dryruns=1)
+    """15 MiB, one dry run: zero2 is estimated fastest but near the boundary (16.1 MiB estimated
+    and measured, over); fsdp is estimated at 10.1 MiB, within the budget even at the estimate's
+    error. The one dry run goes to a candidate sure to fit, so the search answers; before, it ran
+    zero2 and returned status False although a strategy that fits was in its space."""
+    results = run_distributed(search_mlp, 2, str(tmp_path / "report.json"), "15MiB", max_dryruns=1)
     assert results[0]["status"] and results[0]["strategy"] == results[1]["strategy"]
     report = SearchReport.load(tmp_path / "report.json")
     winner = report.candidates[report.winner]
-    assert report.dry_run == 1 and winner.measured_peak_bytes <= 15.5 * MIB
+    assert report.dry_run == 1 and winner.measured_peak_bytes <= 15 * MIB
     faster = [c for c in report.candidates if c.estimated_step_seconds is not None
               and c.estimated_step_seconds < winner.estimated_step_seconds and "max_dryruns" in (c.reason or "")]
     assert faster, "a faster candidate near the boundary was left for the one sure to fit"
