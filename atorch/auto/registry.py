@@ -92,6 +92,10 @@ class MethodSpec:
     # not run, and the absorbing method reads its config from ``ctx.strategy``.
     absorbs: Relation = ()
     skipped_when_absorbed: tuple[Stage, ...] = ()
+    # What the cost model's activation probe applies to its copy in place of those stages: how
+    # the absorbing method does this one's work (amp_native under fsdp: the whole model computes
+    # in amp's dtype, as FSDP's mixed precision does, not under autocast). ``(ctx, config)``.
+    absorbed_probe: Callable[[Any, MethodConfig], None] | None = None
     unsupported: Callable[[Any, MethodConfig], str | None] | None = None
     # A method that lays out the process mesh itself (mixed_parallel): ``(config, world_size,
     # dims) -> (config, dims)`` at plan time, so parallel_mode builds the job's one Topology.

@@ -21,8 +21,6 @@ used). The formula's terms are kept apart so the report can show where the memor
 import copy
 import itertools
 import math
-import statistics
-import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -116,8 +114,8 @@ OPTIMIZER_PROBE_ELEMENTS = (2**18, 2**21)  # fp32 elements of the two parameters
 
 def optimizer_seconds_per_byte(optim_func, optim_args: dict, device: torch.device) -> float:
     """Seconds the optimizer's step takes per byte of fp32 parameter it updates, timed on this
-    device: the slope between the steps of a 1 MiB and an 8 MiB parameter (median of 3 steps each,
-    after the one that creates the state), so a fixed cost per step (a GPU's launches) is not
+    device: the slope between the steps of a 1 MiB and an 8 MiB parameter (each the calibration's
+    median, the slowest rank's, after the step that creates the state), so a fixed cost per step (a GPU's launches) is not
     scaled up with the model. 0 when it cannot be timed (no optimizer, or one that needs more
     than parameters and a gradient)."""
     if optim_func is None:
@@ -133,20 +131,13 @@ def optimizer_seconds_per_byte(optim_func, optim_args: dict, device: torch.devic
 
 
 def _optimizer_step_seconds(optim_func, optim_args: dict, device: torch.device, elements: int) -> float:
+    from atorch.auto.search.calibrate import median_seconds
+
     param = torch.nn.Parameter(torch.zeros(elements, device=device))
     param.grad = torch.full_like(param, 1e-3)
     optim = optim_func([param], **optim_args)
-    optim.step()
-    times = []
-    for _ in range(3):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        optim.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    optim.step()  # creates the state
+    return median_seconds(device, optim.step)
 
 
 def _largest_unit_bytes(model: torch.nn.Module, unit_classes: list[str]) -> int:
@@ -220,9 +211,13 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
     flop_counter, op_counter = FlopCounterMode(display=False), OpCounter()
     try:
         ctx = ModelContext(model=probe, device_ctx=device_ctx, loss_func=loss_func, prepare_input=move_to_device)
+        absorbed = _absorbed(strategy)
         for name, config in strategy.items():
-            for stage, hook in get_method(name).hooks.items():
-                if stage in stages and get_method(name).probed:
+            spec = get_method(name)
+            if name in absorbed and spec.absorbed_probe is not None and any(s in stages for s in spec.hooks):
+                spec.absorbed_probe(ctx, config)
+            for stage, hook in spec.hooks.items():
+                if stage in stages and spec.probed and not (name in absorbed and stage in spec.skipped_when_absorbed):
                     hook(ctx, config)
         checkpointed = sum(isinstance(m.__dict__.get("forward"), CheckpointedForward) for m in probe.modules())
         on_meta = any(p.is_meta for p in probe.parameters())
@@ -290,11 +285,21 @@ def _probe_applies(spec) -> bool:
     return spec.probed or spec.activation_term is not None
 
 
+def _absorbed(strategy: Strategy) -> set[str]:
+    """The methods of ``strategy`` whose work another of its methods takes over (registry ``absorbs``)."""
+    return {other for name, config in strategy.items() for other in get_method(name).related("absorbs", config)
+            if other in strategy}
+
+
 def _applied(strategy: Strategy, stages) -> tuple:
-    """What a probe at ``stages`` applies to its copy: each method's name, config and hooks."""
+    """What a probe at ``stages`` applies to its copy: each method's name, config and hooks (or,
+    absorbed by another method, what that one does in its place)."""
     applied = []
+    absorbed = _absorbed(strategy)
     for name, config in strategy.items():
         hooks = tuple(str(stage) for stage in get_method(name).hooks if stage in stages)
+        if name in absorbed:
+            hooks = ("absorbed", *hooks)
         if _probe_applies(get_method(name)) and hooks:
             applied.append((name, config.model_dump_json(), hooks))
     return tuple(applied)
