@@ -21,24 +21,8 @@ import torch
 from atorch.cli.common import build_model
 
 GIB = 2**30
-# Methods whose hooks run in an activation probe (the others change nothing it measures).
-_PROBE_STAGES = ("REWRITE", "MEMORY")
-
-
 def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def _probe_key(strategy) -> tuple:
-    from atorch.auto.registry import Stage, get_method
-
-    stages = {Stage[name] for name in _PROBE_STAGES}
-    key = []
-    for name, config in strategy.items():
-        spec = get_method(name)
-        if (spec.probed and stages & set(spec.hooks)) or spec.activation_term is not None:
-            key.append((name, config.model_dump_json()))
-    return tuple(key)
 
 
 def plan_search(model, world: int, global_batch: int, seq_len: int, profile, state_factor: float,
@@ -67,17 +51,16 @@ def plan_search(model, world: int, global_batch: int, seq_len: int, profile, sta
     batch = {"input_ids": torch.zeros(1, seq_len, dtype=torch.long, device="meta")}
     batch["labels"] = batch["input_ids"]
     attention = FlashAttentionProbe if profile.attention == "flash" else nullcontext
-    probes: dict[tuple, tuple[int, float]] = {}
+    probes: dict = {}  # cost._probe's memo: one probe per distinct set of applied methods
 
     def probe_one(strategy) -> tuple[int, float]:
-        key = _probe_key(strategy)
-        if key not in probes:
-            _progress(f"  probing activations of one sequence under: {', '.join(n for n, _ in key) or 'no method'}")
-            flops: list = []
-            with attention(), quiet():
-                saved = cost.activation_bytes(model, strategy, batch, "unpack_dict", None, probe_ctx, flops)
-            probes[key] = (saved, flops[0] if flops else 0.0)
-        return probes[key]
+        flops: list = []
+        before = len(probes)
+        with attention(), quiet():
+            saved = cost.activation_bytes(model, strategy, batch, "unpack_dict", None, probe_ctx, flops, memo=probes)
+        if len(probes) > before:
+            _progress(f"  probed activations of one sequence under: {', '.join(strategy.opt_names) or 'no method'}")
+        return saved, flops[0] if flops else 0.0
 
     def probe(strategy, flops: list, dims: dict) -> tuple[int, int]:
         per_rank = global_batch // math.prod(s for n, s in dims.items() if n in DATA_PARALLEL_DIMS)

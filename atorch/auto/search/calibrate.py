@@ -194,7 +194,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_seconds(device: torch.device, run, group=None, batch: int = 1) -> float:
+def median_seconds(device: torch.device, run, group=None, batch: int = 1) -> float:
     """Median wall time of ``run()`` over REPEATS (after one warm-up), the slowest rank's; each
     repetition runs it ``batch`` times and counts the mean. With ``group``, its ranks start each
     repetition together."""
@@ -228,7 +228,7 @@ def _matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
         if not slow or side <= 128:
             break
         side //= 2
-    return 2 * side**3 / _median_seconds(device, lambda: torch.matmul(a, b))
+    return 2 * side**3 / median_seconds(device, lambda: torch.matmul(a, b))
 
 
 def _op_seconds(device: torch.device) -> float:
@@ -246,7 +246,7 @@ def _op_seconds(device: torch.device) -> float:
     def step():
         model(x).sum().backward()
 
-    return _median_seconds(device, step, batch=10) / (3 * max(ops.count, 1))
+    return median_seconds(device, step, batch=10) / (3 * max(ops.count, 1))
 
 
 def _group_sizes(world: int, local: int) -> list[int]:
@@ -282,7 +282,7 @@ def _fit(device: torch.device, kind: str, group, n: int) -> dict:
     points = []
     for payload, batch in zip(MESSAGE_BYTES.get(device.type, MESSAGE_BYTES["cpu"]), (SMALL_BATCH, 1)):
         run = _operation(device, kind, group, n, payload // 4)
-        seconds = _median_seconds(device, run, group, batch)
+        seconds = median_seconds(device, run, group, batch)
         points.append((_wire_bytes(kind, payload // 4 * 4, n), seconds / 2 if kind == "send_recv" else seconds))
     (small, t_small), (large, t_large) = points
     if t_large > t_small:

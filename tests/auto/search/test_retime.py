@@ -1,0 +1,50 @@
+"""Close calls are timed again (engine._close_call): one dry run's few steps vary enough between
+runs on a loaded machine to swap two candidates within several percent of each other."""
+
+import statistics
+
+import torch
+
+from atorch.auto.search import engine
+from atorch.auto.search.engine import MEASURED, RETIME_MARGIN, _close_call
+from atorch.auto.search.report import CandidateResult, SearchReport
+from atorch.auto.strategy import Strategy
+
+
+def _measured(**throughputs):
+    return [(Strategy([name]), CandidateResult(Strategy([name]).to_dict(), status=MEASURED, throughput=value))
+            for name, value in throughputs.items()]
+
+
+def test_the_best_and_a_close_runner_up_are_timed_again_runner_up_first():
+    results = _measured(checkpoint=100.0, zero1=100.0 * (1 - RETIME_MARGIN / 2), fsdp=50.0)
+    assert [s.opt_names for s, _ in _close_call(results)] == [["zero1"], ["checkpoint"]]
+
+
+def test_a_clear_winner_or_a_lone_one_is_not_timed_again():
+    assert _close_call(_measured(checkpoint=100.0, zero1=100.0 * (1 - 2 * RETIME_MARGIN))) == []
+    assert _close_call(_measured(checkpoint=100.0)) == []
+
+
+def test_a_search_times_a_close_call_again_and_keeps_the_mean(tmp_path, monkeypatch):
+    # Every runner-up counts as close here, so the search (one process, in this one) re-times.
+    # The budget is under plain's peak (672 KiB), so memory-saving candidates run beside it.
+    from atorch.auto import auto_accelerate
+    from tests.helpers.models import TinyTransformer, TokenDataset, lm_loss
+
+    monkeypatch.setattr(engine, "RETIME_MARGIN", 1.0)
+    torch.manual_seed(0)
+    path = tmp_path / "report.json"
+    status, _, _ = auto_accelerate(
+        TinyTransformer(), torch.optim.AdamW, TokenDataset(), lm_loss, optim_args={"lr": 1e-2},
+        dataloader_args={"batch_size": 8}, model_input_format="unpack_dict", report_file=str(path),
+        use_search_cache=False, dryrun_warmup_steps=1, dryrun_steps=2, max_dryruns=4, memory_budget="650KiB",
+    )
+    assert status
+    report = SearchReport.load(path)
+    retimed = [c for c in report.candidates if c.throughputs]
+    assert len(retimed) == 2, report.table()
+    assert report.candidates[report.winner] in retimed
+    for candidate in retimed:
+        assert len(candidate.throughputs) == 2 and candidate.status == MEASURED
+        assert candidate.throughput == statistics.mean(candidate.throughputs)
