@@ -311,15 +311,12 @@ def _probe(memo: dict | None, model, strategy, batch, model_input_format, loss_f
     that a probe depends on besides the model, so candidates that differ only in what a probe does
     not apply (sharding, layouts) share one, and a checkpointed candidate's forward without
     checkpointing is its plain twin's. The memo holds ``batch`` by id: keep the batch alive."""
+    memo = {} if memo is None else memo
     key = (id(batch), _applied(strategy, stages))
-    if memo is None or key not in memo:
+    if key not in memo:
         counted: list = []
-        value = _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, stages, counted)
-        if memo is None:
-            if counts is not None:
-                counts.extend(counted)
-            return value
-        memo[key] = value, counted
+        memo[key] = _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, stages,
+                                 counted), counted
     value, counted = memo[key]
     if counts is not None:
         counts.extend(counted)
