@@ -36,9 +36,9 @@ and 20 in the last two, whose excluded methods keep them small. There the search
 each measured fit, and shared probe forwards, bring them to 0.17-0.20 (2026-11-24).
 
 Wall time on 2 shared cores with 4 ranks: ``--tiny --repeats 2 --steps 2`` takes about 8 minutes
-(exhaustive 34-92 s and search 8-19 s per scenario, plus start-up and timing); its figures mean
-nothing (the toy models' estimates are 0.3-0.5 of their measured peaks, far outside the error the
-search allows, so its boundary scenario can miss). At full size (2026-11-24) the exhaustive runs
+(exhaustive 34-92 s and search 8-19 s per scenario, plus start-up and timing); its figures only
+show that it runs (its estimates were 0.3-0.5 of the measured peaks while the dry runs counted
+the dataset a batch views, 2 MiB against a toy model's few hundred KiB; not re-measured since). At full size (2026-11-24) the exhaustive runs
 take about 3 minutes on each of the three 4-block Llama scenarios, 12 on deep-narrow and 1 on
 tensor-best and pipeline-best, and the whole benchmark about 40 minutes, so it is best run a
 scenario at a time (``--scenarios``, each with its own ``--out``). Before the search released each dry run's copy (2026-11-24), the
