@@ -1,7 +1,6 @@
 """The fully automatic search: candidates -> cost model -> dry runs -> the winner."""
 
 import math
-import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -28,8 +27,10 @@ from atorch.utils.log import logger, quiet
 TIE_TOLERANCE = 0.03
 # A runner-up measured within this fraction of the best is timed again, and so is the best: one
 # dry run's few steps vary by 6-10% between runs with 4 ranks on 2 shared cores, enough to swap
-# them (benchmarks/search_quality.py's deep-narrow once picked its second best at 0.80).
+# them (benchmarks/search_quality.py's deep-narrow once picked its second best at 0.80). The
+# second timing runs RETIME_STEPS times the dry runs' timed steps.
 RETIME_MARGIN = 0.10
+RETIME_STEPS = 2
 # A candidate is dominated by one that needs no more memory and is estimated this many times
 # faster. The step-time estimate (nominal or calibrated rates) orders candidates, it does not
 # predict seconds well, so only a wide gap prunes.
@@ -287,22 +288,25 @@ def search(
         if result.status == MEASURED and peak is not None:
             fits.add(id(strategy))
     for strategy, result in _close_call(results) if only is None and not timed_out else ():
-        # Timed again, in the same conditions as the first time, each: the throughput is the two
-        # runs' mean and the peak their larger, judged again.
+        # Timed again, each over more steps: the throughput is that of all the timed steps of the
+        # two runs, and the peak their larger, judged again.
         remaining = None if options.time_limit is None else options.time_limit - (time.perf_counter() - start)
         if not from_rank0(remaining is None or remaining >= last_seconds):
             break
         _say(options, f"search: timing {' + '.join(strategy.opt_names) or '(plain)'} again (a close call)")
+        steps = RETIME_STEPS * options.timed_steps
         with quiet():
-            outcome = dry_run(model, strategy, make_context, apply, options.warmup_steps, options.timed_steps,
+            outcome = dry_run(model, strategy, make_context, apply, options.warmup_steps, steps,
                               options.dryrun_timeout, global_batch,
                               stop_after_s=None if remaining is None else from_rank0(remaining))
         last_seconds = outcome["seconds"]
         result.seconds = (result.seconds or 0.0) + outcome["seconds"]
-        if outcome["reason"] is not None or outcome["timed_steps"] < options.timed_steps:
+        if outcome["reason"] is not None or outcome["timed_steps"] < steps:
             continue  # the first measurement stands
         result.throughputs = [result.throughput, outcome["throughput"]]
-        result.throughput = statistics.mean(result.throughputs)
+        # samples over time of all the timed steps: the longer second timing weighs more
+        result.throughput = (options.timed_steps + steps) / (options.timed_steps / result.throughputs[0]
+                                                             + steps / result.throughputs[1])
         peaks = [p for p in (result.measured_peak_bytes, outcome["measured_peak_bytes"]) if p is not None]
         result.measured_peak_bytes = max(peaks) if peaks else None
         result.status, why = _judge_peak(result.measured_peak_bytes, result.estimated_peak_bytes, options)

@@ -21,7 +21,9 @@ class CandidateResult:
     estimated_step_seconds: float | None = None
     measured_peak_bytes: int | None = None
     throughput: float | None = None  # global samples per second
-    throughputs: list[float] | None = None  # each dry run's, when it was timed again (a close call)
+    # each dry run's, when it was timed again over more steps (a close call); throughput is then
+    # that of all their timed steps
+    throughputs: list[float] | None = None
     seconds: float | None = None
     reason: str | None = None
     # How the ranks split, e.g. "tensor=2 x data=2" (None in reports from before layouts were searched).
