@@ -71,7 +71,7 @@ def cmd_plan(args) -> int:
               f"{args.seq_len}) in the model's dtype ({str(next(model.parameters()).dtype).removeprefix('torch.')}); "
               "bfloat16/float16 under amp_native; checkpointing keeps the block inputs")
     print(f"  sharding over {args.world_size} data-parallel ranks: zero1 divides optimizer state, zero2 also "
-          "gradients, fsdp also weights")
+          "gradients, fsdp also weights; DDP (plain and zero1) keeps a copy of the gradients in its buckets")
     print("all figures: GiB per rank")
     _print_table(rows, args.batch_size is not None, memory)
     return 0
@@ -129,6 +129,8 @@ def _candidate_rows(model, args, assumptions, memory) -> list:
         if assumptions.accounting == "deepspeed":
             sharding = next((s for s in ("zero1", "zero2", "fsdp") if s in strategy.opt_names), None)
             terms.update(model_states(model, sharding, args.world_size, assumptions))
+            if sharding is not None:  # DeepSpeed's ZeRO engine replaces DDP and its buckets
+                terms["buckets"] = 0
         rows.append((strategy.opt_names, terms, None))
     return rows
 
@@ -143,7 +145,7 @@ def _peak(terms: dict) -> int:
 
 
 def _print_table(rows, with_activations: bool, memory: int) -> None:
-    header = ["weights", "grads", "optim", "gathered", "states"] + (["acts", "peak"] if with_activations else [])
+    header = ["weights", "grads", "optim", "gathered", "buckets", "states"] + (["acts", "peak"] if with_activations else [])
 
     def order(row):
         names, terms, _ = row
@@ -158,7 +160,8 @@ def _print_table(rows, with_activations: bool, memory: int) -> None:
         if terms is None:
             print(f"{label:58} {reason}")
             continue
-        cells = [terms["params"], terms["grads"], terms["optim_state"], terms["gathered"], _states(terms)]
+        cells = [terms["params"], terms["grads"], terms["optim_state"], terms["gathered"], terms.get("buckets", 0),
+                 _states(terms)]
         if with_activations:
             cells += [terms["activations"], _peak(terms)]
         total = cells[-1]
@@ -167,4 +170,4 @@ def _print_table(rows, with_activations: bool, memory: int) -> None:
 
 
 def _states(terms: dict) -> int:
-    return terms["params"] + terms["grads"] + terms["optim_state"] + terms["gathered"]
+    return terms["params"] + terms["grads"] + terms["optim_state"] + terms["gathered"] + terms.get("buckets", 0)
