@@ -8,9 +8,10 @@ keeps no module statistics, so it follows every strategy, pipelines included.
 
 A storage is counted from the first operator that returns a tensor on it until Python's last
 reference to it goes (a weak reference's callback): PyTorch keeps one Python object per storage
-for as long as the storage lives. A storage first seen as an operator's input and output alike
-(a view or an in-place result of a tensor the tracker was not given) existed before the step and
-is counted from its start: DDP's gradient buckets, the batch. Resizes (FSDP frees and re-allocates unsharded parameters with
+for as long as the storage lives. A storage first seen as the result of an operator that writes
+into its input (an in-place operator on a tensor the tracker was not given) existed before the
+step and is counted from its start: DDP's gradient buckets. A view of such a tensor is counted
+from the view on (FSDP2 allocates some storages out of dispatch's sight). Resizes (FSDP frees and re-allocates unsharded parameters with
 ``UntypedStorage.resize_``, which no dispatch mode sees) are followed by wrapping ``resize_`` while
 the tracker is active. Wrapper subclasses (DTensor) count their inner tensors. Temporaries an
 operator allocates and frees inside itself are not seen.
@@ -76,8 +77,8 @@ class PeakMemory(TorchDispatchMode):
                 self._count(tensor)
 
     def _count(self, tensor: torch.Tensor, inputs: frozenset = frozenset()) -> None:
-        """Count ``tensor``'s storages; one not seen before that is among the storages of the
-        operator's ``inputs`` (a view, or an in-place result) existed before the step."""
+        """Count ``tensor``'s storages; one not seen before that is among ``inputs`` (the
+        storages an in-place operator wrote into) existed before the step."""
         for storage in _storages(tensor):
             self._count_storage(storage, storage._cdata in inputs)
 
