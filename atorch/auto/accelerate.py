@@ -12,7 +12,7 @@ from atorch.auto.environment import DeviceContext
 from atorch.auto.inputs import check_job
 from atorch.auto.order import applied_order
 from atorch.auto.plan import plan_strategy, resolve_strategy
-from atorch.auto.registry import Stage, get_method
+from atorch.auto.registry import Stage, absorbed_methods, get_method
 from atorch.auto.strategy import Strategy, parse_strategy
 from atorch.distributed import env
 from atorch.utils.log import logger
@@ -187,8 +187,7 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy, stage_barrier: Callabl
     boundary instead of leaving the others waiting in the next stage's collectives.
     """
     ctx.strategy = strategy
-    absorbed = {other for name, config in strategy.items() for other in get_method(name).related("absorbs", config)
-                if other in strategy}
+    absorbed = absorbed_methods(strategy)
     position = {name: index for index, name in enumerate(applied_order(strategy.opt_names))}
     hooks = sorted(
         ((stage, position[name], name, hook, config)

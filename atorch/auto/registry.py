@@ -191,6 +191,14 @@ def all_methods() -> list[MethodSpec]:
     return list(_REGISTRY.values())
 
 
+def absorbed_methods(strategy) -> set[str]:
+    """The methods of ``strategy`` (a :class:`~atorch.auto.strategy.Strategy`) whose work another of
+    its methods takes over (``absorbs`` under that method's config): their ``skipped_when_absorbed``
+    stages do not run, and the cost model probes them with their ``absorbed_probe``."""
+    return {other for name, config in strategy.items() for other in get_method(name).related("absorbs", config)
+            if other in strategy}
+
+
 def _ensure_builtin_methods() -> None:
     # The method files register themselves on import; importing here keeps ``atorch.auto``
     # usable on its own without a circular import at package load time.

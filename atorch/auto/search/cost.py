@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from atorch.auto.context import run_model
-from atorch.auto.registry import Stage, get_method
+from atorch.auto.registry import Stage, absorbed_methods, get_method
 from atorch.auto.strategy import Strategy
 from atorch.distributed.topology import DATA_PARALLEL_DIMS
 from atorch.utils.log import logger
@@ -213,7 +213,7 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
     flop_counter, op_counter = FlopCounterMode(display=False), OpCounter()
     try:
         ctx = ModelContext(model=probe, device_ctx=device_ctx, loss_func=loss_func, prepare_input=move_to_device)
-        absorbed = _absorbed(strategy)
+        absorbed = absorbed_methods(strategy)
         for name, config in strategy.items():
             spec = get_method(name)
             if name in absorbed and spec.absorbed_probe is not None and any(s in stages for s in spec.hooks):
@@ -287,17 +287,11 @@ def _probe_applies(spec) -> bool:
     return spec.probed or spec.activation_term is not None
 
 
-def _absorbed(strategy: Strategy) -> set[str]:
-    """The methods of ``strategy`` whose work another of its methods takes over (registry ``absorbs``)."""
-    return {other for name, config in strategy.items() for other in get_method(name).related("absorbs", config)
-            if other in strategy}
-
-
 def _applied(strategy: Strategy, stages) -> tuple:
     """What a probe at ``stages`` applies to its copy: each method's name, config and hooks (or,
     absorbed by another method, what that one does in its place)."""
     applied = []
-    absorbed = _absorbed(strategy)
+    absorbed = absorbed_methods(strategy)
     for name, config in strategy.items():
         hooks = tuple(str(stage) for stage in get_method(name).hooks if stage in stages)
         if name in absorbed:
@@ -540,10 +534,8 @@ def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int],
                forward_ops: float = 0.0, optim_seconds_per_byte: float = 0.0,
                activation_profile: tuple = ()) -> StepCost:
     """The candidate's :class:`StepCost`: the whole model's terms, then each method's ``cost_term``."""
-    absorbed = set()
-    for name, config in strategy.items():
-        absorbed.update(get_method(name).related("absorbs", config))
-    cost = StepCost(model, dict(dims), state_factor, device_type, forward_flops, tokens, frozenset(absorbed),
+    cost = StepCost(model, dict(dims), state_factor, device_type, forward_flops, tokens,
+                    frozenset(absorbed_methods(strategy)),
                     tuple(strategy.opt_names), forward_ops, optim_seconds_per_byte)
     cost.params = cost.param_bytes()
     trainable = cost.param_bytes(trainable_only=True)

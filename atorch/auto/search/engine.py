@@ -251,6 +251,21 @@ def search(
         if r.reason is None and (s, r) not in to_run:
             r.reason, r.pruned_by = f"not dry-run: max_dryruns={options.max_dryruns} reached", MAX_DRYRUNS
     last_seconds = 0.0
+
+    def time_left() -> float | None:
+        return None if options.time_limit is None else options.time_limit - (time.perf_counter() - start)
+
+    def measure(strategy: Strategy, result, steps: int, timeout: float, remaining: float | None) -> dict:
+        """One dry run of ``steps`` timed steps, stopped at the time limit; its seconds are added to
+        the candidate's, and the next candidate starts only if one as long fits the time left."""
+        nonlocal last_seconds
+        with quiet():
+            outcome = dry_run(model, strategy, make_context, apply, options.warmup_steps, steps, timeout, global_batch,
+                              stop_after_s=None if remaining is None else from_rank0(remaining))
+        last_seconds = outcome["seconds"]
+        result.seconds = (result.seconds or 0.0) + outcome["seconds"]
+        return outcome
+
     for index, (strategy, result) in enumerate(to_run, 1):
         if only is None:
             # A twin measured to fit proves what its estimate could not: the twin rules apply again.
@@ -259,22 +274,16 @@ def search(
                 continue
         # Rank 0's clock decides for everyone. A candidate starts only if one like the last fits
         # in the time left, and its timed steps stop at the limit: time_limit is a promise.
-        remaining = None if options.time_limit is None else options.time_limit - (time.perf_counter() - start)
-        go = from_rank0(remaining is None or remaining >= last_seconds)
-        if not go:
+        remaining = time_left()
+        if not from_rank0(remaining is None or remaining >= last_seconds):
             timed_out = True
             result.reason = f"not dry-run: time_limit of {options.time_limit:g}s would be exceeded"
             result.pruned_by = TIME_LIMIT
             continue
-        stop_after = None if remaining is None else from_rank0(remaining)
         bar = "#" * index + "-" * (len(to_run) - index)
         _say(options, f"search [{bar}] {index}/{len(to_run)}: dry-running {' + '.join(strategy.opt_names) or '(plain)'}")
-        with quiet():
-            outcome = dry_run(model, strategy, make_context, apply, options.warmup_steps, options.timed_steps,
-                              options.dryrun_timeout - estimate_seconds.get(id(strategy), 0.0), global_batch,
-                              stop_after_s=stop_after)
-        last_seconds = outcome["seconds"]
-        result.seconds = outcome["seconds"]
+        outcome = measure(strategy, result, options.timed_steps,
+                          options.dryrun_timeout - estimate_seconds.get(id(strategy), 0.0), remaining)
         if outcome["reason"] is not None:
             result.status, result.reason = FAILED, outcome["reason"]
             continue
@@ -282,25 +291,19 @@ def search(
         if outcome["timed_steps"] < options.timed_steps:
             timed_out = True
             result.reason = f"time_limit: measured over {outcome['timed_steps']} of {options.timed_steps} steps"
-        result.measured_peak_bytes = peak = outcome["measured_peak_bytes"]
-        result.status, why = _judge_peak(peak, result.estimated_peak_bytes, options)
-        result.reason = why or result.reason
-        if result.status == MEASURED and peak is not None:
+        result.measured_peak_bytes = outcome["measured_peak_bytes"]
+        _judge(result, options)
+        if result.status == MEASURED and result.measured_peak_bytes is not None:
             fits.add(id(strategy))
     for strategy, result in _close_call(results) if only is None and not timed_out else ():
         # Timed again, each over more steps: the throughput is that of all the timed steps of the
         # two runs, and the peak their larger, judged again.
-        remaining = None if options.time_limit is None else options.time_limit - (time.perf_counter() - start)
+        remaining = time_left()
         if not from_rank0(remaining is None or remaining >= last_seconds):
             break
         _say(options, f"search: timing {' + '.join(strategy.opt_names) or '(plain)'} again (a close call)")
         steps = RETIME_STEPS * options.timed_steps
-        with quiet():
-            outcome = dry_run(model, strategy, make_context, apply, options.warmup_steps, steps,
-                              options.dryrun_timeout, global_batch,
-                              stop_after_s=None if remaining is None else from_rank0(remaining))
-        last_seconds = outcome["seconds"]
-        result.seconds = (result.seconds or 0.0) + outcome["seconds"]
+        outcome = measure(strategy, result, steps, options.dryrun_timeout, remaining)
         if outcome["reason"] is not None or outcome["timed_steps"] < steps:
             continue  # the first measurement stands
         result.throughputs = [result.throughput, outcome["throughput"]]
@@ -309,8 +312,7 @@ def search(
                                                              + steps / result.throughputs[1])
         peaks = [p for p in (result.measured_peak_bytes, outcome["measured_peak_bytes"]) if p is not None]
         result.measured_peak_bytes = max(peaks) if peaks else None
-        result.status, why = _judge_peak(result.measured_peak_bytes, result.estimated_peak_bytes, options)
-        result.reason = why or result.reason
+        _judge(result, options)
     for _, result in results:
         if result.status not in (MEASURED, FAILED):
             result.status = PRUNED
@@ -413,18 +415,21 @@ def _first_micro_batch(ctx: ModelContext, dp_size: int):
     return next(iter(loader))
 
 
-def _judge_peak(peak: int | None, estimate: int | None, options: SearchOptions) -> tuple[str, str | None]:
-    """MEASURED or FAILED (with why) for a dry run that ran: the winner must fit the budget. An
-    unmeasured peak fits the device's own memory (the run did not run out of it), or a budget its
-    estimate fits even at the lowest estimated / measured ever seen (cost.ESTIMATE_FLOOR)."""
-    budget = options.memory_budget
+def _judge(result, options: SearchOptions) -> None:
+    """Set a dry-run candidate's status, MEASURED or FAILED (with why), from its measured peak: the
+    winner must fit the budget. An unmeasured peak fits the device's own memory (the run did not
+    run out of it), or a budget its estimate fits even at the lowest estimated / measured ever
+    seen (cost.ESTIMATE_FLOOR)."""
+    peak, estimate, budget = result.measured_peak_bytes, result.estimated_peak_bytes, options.memory_budget
+    result.status = FAILED
     if peak is not None and peak > budget:
-        return FAILED, f"measured peak memory {size_text(peak)} is over the memory budget"
-    if peak is None and not (options.budget_is_device_memory or cost.fits_unmeasured(estimate, budget)):
-        return FAILED, (f"peak memory not measured (time ran out before the tracked step, or the tracker failed) "
-                        f"and its estimate ({size_text(estimate)}) is not {cost.ESTIMATE_FLOOR:g} of the budget or "
-                        "less, the lowest estimated / measured ever seen")
-    return MEASURED, None
+        result.reason = f"measured peak memory {size_text(peak)} is over the memory budget"
+    elif peak is None and not (options.budget_is_device_memory or cost.fits_unmeasured(estimate, budget)):
+        result.reason = (f"peak memory not measured (time ran out before the tracked step, or the tracker failed) "
+                         f"and its estimate ({size_text(estimate)}) is not {cost.ESTIMATE_FLOOR:g} of the budget or "
+                         "less, the lowest estimated / measured ever seen")
+    else:
+        result.status = MEASURED
 
 
 def _no_winner_note(results, options: SearchOptions, timed_out: bool) -> str:

@@ -1,13 +1,20 @@
-"""A dry run's peak decides whether its candidate can win (engine._judge_peak). An unmeasured peak
+"""A dry run's peak decides whether its candidate can win (engine._judge). An unmeasured peak
 (the time limit cut the run before its tracked step, or the tracker failed) is trusted to fit an
 explicit budget only if the estimate fits it even at the lowest estimated / measured ratio ever
 seen (cost.ESTIMATE_FLOOR: 0.35 on checkpointed candidates), never at the usual 0.8."""
 
 from atorch.auto.search import cost
-from atorch.auto.search.engine import SearchOptions, _judge_peak
-from atorch.auto.search.report import FAILED, MEASURED
+from atorch.auto.search.engine import SearchOptions, _judge
+from atorch.auto.search.report import FAILED, MEASURED, CandidateResult
 
 BUDGET = 1000
+
+
+def _judge_peak(peak, estimate, options) -> tuple:
+    """(status, reason) of a dry-run candidate with this measured peak and estimate."""
+    result = CandidateResult({"methods": []}, estimated_peak_bytes=estimate, measured_peak_bytes=peak)
+    _judge(result, options)
+    return result.status, result.reason
 
 
 def test_a_measured_peak_decides():
