@@ -49,7 +49,10 @@ def test_step_time_uses_the_profile_only_when_given():
     compute = 1e12 * 3 / h100.rate("fp32")
     grads = sum(p.numel() * 4 for p in model.parameters())
     sync = 2 * grads * 15 / 16 / h100.inter_node.bandwidth + h100.inter_node.latency
-    assert nominal.seconds() == pytest.approx(compute + sync)
+    # DDP's all-reduce runs behind backward (two of the three passes' compute), the profile's share of it
+    hidden = min(h100.overlap * sync, compute * 2 / 3)
+    assert 0 < hidden < sync
+    assert nominal.seconds() == pytest.approx(compute + sync - hidden)
     one_node = cost.build_cost(model, Strategy([("parallel_mode", {})]), {"data": 8}, 2.0, 0, 1e12, 64, "cuda")
     one_node.profile = h100
     assert one_node.seconds() < nominal.seconds()

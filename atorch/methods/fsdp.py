@@ -111,7 +111,11 @@ def cost_term(config: FsdpConfig, cost) -> None:
     units = len(fsdp2.choose_units(cost.model, config.atorch_wrap_cls, config.atorch_size_based_min_num_params,
                                    config.atorch_ignored_cls, config.wrap_trainable_outmost)) + 1
     units = max(1.0, units * cost.stage_share)
+    # (the root too: atorch passes reshard_after_forward to every unit, so FSDP2 does not keep the
+    # root whole as it does when the value is left to it)
     cost.sync_calls = {"all_gather": units * (2 if config.reshard_after_forward else 1), "reduce_scatter": units}
+    # the next unit is gathered while this one computes; gradients reduced as backward makes them
+    cost.sync_overlap = {"all_gather": ("forward", "backward"), "reduce_scatter": ("backward",)}
 
 
 register_method(

@@ -76,6 +76,7 @@ def cost_term(config: ParallelModeConfig, cost) -> None:
     # collective; a sharding method replaces this sync.
     cost.data_sync = {"grads": 2}
     cost.sync_calls = {"bucket_bytes": DDP_BUCKET_BYTES}
+    cost.sync_overlap = {"all_reduce": ("backward",)}  # a bucket's all-reduce starts when backward fills it
     # DDP reduces the gradients through buckets of its own, allocated with it: a copy of the
     # gradients alive all the time (a method that syncs the gradients itself turns this off)
     cost.grad_buckets = True

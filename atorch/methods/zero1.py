@@ -81,6 +81,8 @@ def cost_term(config: Zero1Config, cost) -> None:
     cost.data_sync = {"grads": 2, "params": 1}  # all-reduce gradients, broadcast updated parameters
     # DDP's gradient buckets, then one broadcast per rank (each rank's bucket of updated parameters)
     cost.sync_calls = {"bucket_bytes": DDP_BUCKET_BYTES, "all_gather": cost.dp_size}
+    # the all-reduce runs in DDP's buckets during backward; the broadcast waits for the step
+    cost.sync_overlap = {"all_reduce": ("backward",)}
 
 
 register_method(

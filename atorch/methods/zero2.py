@@ -107,12 +107,16 @@ def cost_term(config: Zero2Config, cost) -> None:
     cost.shard_over_data(params=False, grads=True, optim=True)
     cost.grad_buckets = False  # it replaces DDP
     cost.data_sync = {"grads": 1, "params": 1}  # reduce-scatter gradients, all-gather updated parameters
+    # every backend reduces gradients as backward makes them; the updated parameters are gathered
+    # after the step (DeepSpeed, fairscale) or unit by unit ahead of its forward (FSDP2)
+    cost.sync_overlap = {"reduce_scatter": ("backward",)}
     if not config.use_ds_zero and not config.not_use_fsdp:
         _fsdp2_terms(config, cost)
         # one gather (in forward: kept whole through backward) and one reduce-scatter per unit
         blocks = fsdp2.choose_units(cost.model, [class_name(c) for c in find_block_classes(cost.model)])
         units = max(1.0, (len(fsdp2.group_units(cost.model, blocks, config.bucket_params)) + 1) * cost.stage_share)
         cost.sync_calls = {"all_gather": units, "reduce_scatter": units}
+        cost.sync_overlap = {"reduce_scatter": ("backward",), "all_gather": ("forward",)}
 
 
 def _fsdp2_terms(config: Zero2Config, cost) -> None:

@@ -423,6 +423,11 @@ class StepCost:
     # a count (FSDP gathers and reduces unit by unit), or under "bucket_bytes" the bytes per
     # collective (DDP's gradient buckets); one per kind when neither is given
     sync_calls: dict = field(default_factory=dict)
+    # the passes whose compute a data-sync collective can run behind, by kind: ("backward",) for
+    # gradients reduced as backward makes them (DDP's buckets, FSDP2's reduce-scatters), ("forward",
+    # "backward") for parameters gathered a unit ahead (FSDP2's prefetch); a kind not named waits
+    # (zero1's broadcast after the step). The profile's ``overlap`` says how much of it does hide.
+    sync_overlap: dict = field(default_factory=dict)
     comms: list = field(default_factory=list)  # other communication not overlapped with compute
     # a hardware profile (atorch/auto/search/profiles), named or calibrated on this machine
     # (atorch/auto/search/calibrate.py): its rates replace the nominal ones, a group that spans
@@ -474,7 +479,9 @@ class StepCost:
         """compute (x the pipeline bubble) + communication not overlapped with it + the optimizer's
         step over what this rank steps, at nominal rates, or at the rates of ``profile`` when one
         is set (each collective at its own rate, and one latency per collective of the
-        data-parallel sync: ``sync_calls``)."""
+        data-parallel sync: ``sync_calls``). Of a data-sync collective the method issues early
+        (``sync_overlap``), the profile's ``overlap`` share hides behind the compute of its passes,
+        up to that compute; nominal rates hide none."""
         if self.profile is None:
             rate = _FLOPS.get(self.device_type, _FLOPS["cpu"])[self.compute_dtype]
         else:
@@ -485,6 +492,9 @@ class StepCost:
         op_seconds = 0.0 if self.profile is None else self.profile.op_seconds
         overhead = self.forward_ops * self.passes * self.op_share * op_seconds
         compute = max(compute, overhead) if self.device_type == "cuda" else compute + overhead
+        # what a collective can hide behind: each pass's compute, shared by the collectives in it
+        hides = 0.0 if self.profile is None else self.profile.overlap
+        windows = {"forward": compute / self.passes, "backward": compute * (self.passes - 1) / self.passes}
         piece = self.param_bytes() * self.weight_scale * self.split * self.stage_share
         trainable = self.param_bytes(True) * self.weight_scale * self.split * self.stage_share
         dp = self.dp_size
@@ -498,7 +508,13 @@ class StepCost:
             for kind, (moved, payload) in sync.items():
                 if moved:
                     bandwidth, latency = self._link(DATA_PARALLEL_DIMS, kind)
-                    comm += moved * (dp - 1) / dp / bandwidth + latency * self._calls(kind, payload)
+                    seconds = moved * (dp - 1) / dp / bandwidth + latency * self._calls(kind, payload)
+                    hidden = 0.0
+                    for phase in self.sync_overlap.get(kind, ()):
+                        behind = min(seconds * hides - hidden, windows[phase])
+                        windows[phase] -= behind
+                        hidden += behind
+                    comm += seconds - hidden
         element = 2 if self.compute_dtype == "half" else 4
         for c in self.comms:
             if self.size(c.dim) > 1:

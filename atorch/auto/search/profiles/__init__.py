@@ -7,7 +7,8 @@ nodes. ``sources`` says where every number comes from (a datasheet, or "assumpti
 Optionally, ``collectives`` gives a link per collective kind (``all_reduce``, ``all_gather``,
 ``reduce_scatter``, ``send_recv``) and group size, as ``atorch calibrate`` measures them on this
 machine (:mod:`atorch.auto.search.calibrate` writes its cache in this schema), and ``op_seconds``
-the framework overhead per dispatched operator (calibrated; 0 when absent).
+the framework overhead per dispatched operator (calibrated; 0 when absent); ``overlap`` the
+share of an early-issued data-parallel collective that runs behind compute (0 when absent).
 The cost model (:meth:`atorch.auto.search.cost.StepCost.seconds`) uses a profile's rates in place
 of its nominal ones, and ``atorch plan --search --profile NAME`` plans with it::
 
@@ -57,6 +58,10 @@ class HardwareProfile:
     # autograd's record): measured by calibration; 0 in a datasheet profile (a GPU's launches
     # overlap the kernels of a model big enough to plan)
     op_seconds: float = 0.0
+    # the share of a data-parallel collective that runs while the compute goes on, when the method
+    # issues it early (DDP's buckets in backward, FSDP2's prefetched gathers): 0 hides nothing
+    # (absent from calibrated profiles: calibration does not measure it)
+    overlap: float = 0.0
 
     def peak(self, compute_dtype: str) -> float:
         """Peak dense FLOP/s for the cost model's compute dtype ("half" or "fp32")."""
@@ -117,6 +122,10 @@ def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwarePro
     links = [_link(data["intra_node"]), _link(data["inter_node"])] + [
         link for by_size in collectives.values() for link in by_size.values()]
     op_seconds = float(data.get("op_seconds", 0.0))
+    overlap = float(data.get("overlap", 0.0))
+    if not 0 <= overlap <= 1:
+        raise UnknownProfileError(f"hardware profile {path}: overlap is a share of the communication, in [0, 1], "
+                                  f"not {overlap:g}")
     if (not 0 < fraction <= 1 or not math.isfinite(op_seconds) or op_seconds < 0
             or not all(math.isfinite(v) and v > 0 for v in data["matmul_flops"].values())
             or not all(math.isfinite(v) and v > 0 for link in links for v in (link.bandwidth, link.latency))):
@@ -135,4 +144,5 @@ def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwarePro
         attention=data.get("attention", "math"),
         collectives=collectives,
         op_seconds=op_seconds,
+        overlap=overlap,
     )

@@ -1,0 +1,73 @@
+"""Communication the data-parallel methods issue early hides behind compute: DDP's gradient
+buckets and FSDP2's reduce-scatters behind backward, FSDP2's prefetched all-gathers behind forward
+(and backward); zero1's broadcast after the step waits. How much hides is the hardware profile's
+``overlap``; the compute of the pass is the most that can hide behind it."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from atorch.auto.search import cost
+from atorch.auto.search.profiles import FOLDER, UnknownProfileError, load_profile, profile_from_data
+from atorch.auto.strategy import Strategy
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
+
+
+def _seconds(methods: list, data: int, overlap: float, flops: float) -> float:
+    step = cost.build_cost(_model(), Strategy([("parallel_mode", {}), *methods]), {"data": data}, 2.0, 0, flops,
+                           32, "cuda")
+    step.profile = dataclasses.replace(load_profile("h100_80gb"), overlap=overlap)
+    return step.seconds()
+
+
+LONG = 1e15  # forward FLOPs: a compute far longer than any of these syncs
+SHORT = 1e6  # a compute far shorter
+
+
+def test_ddp_gradient_sync_hides_behind_backward_as_far_as_the_profile_says():
+    alone = _seconds([], 1, 1.0, LONG)  # one rank: no sync at all
+    exposed = _seconds([], 8, 0.0, LONG)
+    sync = exposed - alone
+    assert sync > 0
+    assert _seconds([], 8, 1.0, LONG) == pytest.approx(alone)
+    assert _seconds([], 8, 0.25, LONG) == pytest.approx(alone + 0.75 * sync)
+
+
+def test_no_more_hides_than_the_backward_computes():
+    alone = _seconds([], 1, 1.0, SHORT)
+    sync = _seconds([], 8, 0.0, SHORT) - alone
+    backward = alone * 2 / 3  # forward + backward are 3 forwards' FLOPs, backward two of them
+    assert sync > backward
+    assert _seconds([], 8, 1.0, SHORT) == pytest.approx(alone + sync - backward)
+
+
+@pytest.mark.parametrize("method", ["zero2", "fsdp"])
+def test_fsdp2_gathers_and_reduce_scatters_hide(method):
+    alone = _seconds([method], 1, 1.0, LONG)
+    assert _seconds([method], 8, 0.0, LONG) > alone
+    assert _seconds([method], 8, 1.0, LONG) == pytest.approx(alone)
+
+
+def test_zero1_broadcast_after_the_step_waits():
+    """zero1's all-reduce runs in DDP's buckets (hidden), its broadcast of the updated parameters
+    after the step does not: zero1 stays slower than DDP by that broadcast."""
+    ddp = _seconds([], 8, 1.0, LONG)
+    zero1, zero1_exposed = _seconds(["zero1"], 8, 1.0, LONG), _seconds(["zero1"], 8, 0.0, LONG)
+    ddp_exposed = _seconds([], 8, 0.0, LONG)
+    assert zero1 > ddp
+    assert zero1_exposed - zero1 == pytest.approx(ddp_exposed - ddp)  # only the all-reduce hid
+
+
+def test_the_profile_overlap_is_a_sourced_share():
+    h100 = json.loads((FOLDER / "h100_80gb.json").read_text())
+    assert 0 < load_profile("h100_80gb").overlap <= 1 and "overlap" in h100["sources"]
+    with pytest.raises(UnknownProfileError, match="overlap"):
+        profile_from_data({**h100, "overlap": 1.5})
+    without = {k: v for k, v in h100.items() if k != "overlap"}
+    assert profile_from_data(without).overlap == 0.0  # a calibrated or older profile: nothing hides
