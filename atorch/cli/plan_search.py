@@ -150,8 +150,10 @@ def _print(result, args, profile, params, assumptions) -> None:
     attention = "flash attention (no seq x seq probabilities)" if profile.attention == "flash" else "SDPA's math form"
     print(f"  activations      probed on ONE sequence (1 x {args.seq_len}) on the meta device, attention as "
           f"{attention}, scaled linearly to each layout's per-data-rank batch (no gradient accumulation)")
-    print(f"  time             compute / sustained rate x (1 + pipeline bubble) + communication, none of it "
-          f"overlapped; MFU = {result['flops_per_token'] / 1e9:.1f} GFLOP/token (3 x forward) x tokens/s / "
+    hidden = (f"{profile.overlap:g} of the data-parallel sync a method issues during a pass hidden behind its compute"
+              if profile.overlap else "none of it overlapped")
+    print(f"  time             compute / sustained rate x (1 + pipeline bubble) + communication, {hidden}; "
+          f"MFU = {result['flops_per_token'] / 1e9:.1f} GFLOP/token (3 x forward) x tokens/s / "
           f"({args.world_size} x bf16 peak)")
     print("candidates: " + ", ".join(f"{n} {k}" for k, n in counts.items() if n))
     fitting = sorted((r for r in rows if r.get("fits")), key=lambda r: (r["seconds"], r["memory"]))
