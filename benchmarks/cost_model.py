@@ -1,7 +1,7 @@
 """Cost model accuracy: estimated vs measured peak memory per rank, and step-time ranking.
 
     python benchmarks/cost_model.py --nproc 2 --out benchmarks/results/cost_model
-    python benchmarks/cost_model.py --workloads small,deeper --timed-steps 20 --out /tmp/toys
+    python benchmarks/cost_model.py --workloads small,deeper --timed-steps 10 --repeats 5 --out /tmp/toys
 
 Spawns gloo processes on the CPU and, for each workload, estimates each strategy's peak (atorch's
 cost model) and measures it (a dry run's training steps, the peak by the dry runs' tracker
@@ -15,11 +15,14 @@ were taken with torch's MemTracker, which it matches where both work):
 
 Writes JSON and a markdown table; the ratio estimated/measured is the figure of merit (goal:
 within 10%). The step time the cost model estimates is meant to rank candidates, so its figure
-is the Spearman rank correlation with the measured step time, per workload.
+is the Spearman rank correlation with the measured step time, per workload. With ``--repeats R``
+every candidate is dry-run once per round, R rounds, and its measured step time is the median of
+its rounds (the toys' steps of tens of ms rank differently from one run to the next otherwise).
 """
 
 import argparse
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -42,7 +45,7 @@ LLAMAS = {"llama": {}, "llama-deep": {"layers": 8, "seq": 128}}  # benchmarks/se
 WORKLOADS = [*LLAMAS, *SIZES]
 
 
-def measure_all(workload: str, timed_steps: int = 3) -> list[dict]:
+def measure_all(workload: str, timed_steps: int = 3, repeats: int = 1) -> list[dict]:
     from atorch.auto.environment import DeviceContext
     from atorch.auto.search import measure
     from atorch.auto.search.space import candidate_space
@@ -59,22 +62,32 @@ def measure_all(workload: str, timed_steps: int = 3) -> list[dict]:
         spec = SIZES[workload]
         candidates, batch = STRATEGIES, spec["batch"]
         model, data, loss = TinyTransformer(layers=spec["layers"]), TokenDataset(n=256), lm_loss
-    with quiet():
-        report = measure(model, candidates, torch.optim.AdamW, data, loss, optim_args={"lr": 1e-3},
-                         dataloader_args={"batch_size": batch}, model_input_format="unpack_dict",
-                         timed_steps=timed_steps, max_dryruns=len(candidates))
-    return [{"size": workload, "strategy": " + ".join(c.names) or "(plain)", "estimated": c.estimated_peak_bytes,
-             "measured": c.measured_peak_bytes, "estimated_step_s": c.estimated_step_seconds,
-             "measured_step_s": batch / c.throughput if c.throughput else None, "status": c.status,
-             "reason": c.reason} for c in report.candidates if c.status != "pruned" or c.measured_peak_bytes]
+    rounds = []
+    for _ in range(repeats):  # every candidate once per round: slow drift of the machine hits all alike
+        with quiet():
+            report = measure(model, candidates, torch.optim.AdamW, data, loss, optim_args={"lr": 1e-3},
+                             dataloader_args={"batch_size": batch}, model_input_format="unpack_dict",
+                             timed_steps=timed_steps, max_dryruns=len(candidates))
+        rounds.append(report.candidates)
+    rows = []
+    for index, c in enumerate(rounds[0]):
+        if c.status == "pruned" and not c.measured_peak_bytes:
+            continue
+        steps = sorted(batch / r[index].throughput for r in rounds if r[index].throughput)
+        peaks = [r[index].measured_peak_bytes for r in rounds if r[index].measured_peak_bytes]
+        rows.append({"size": workload, "strategy": " + ".join(c.names) or "(plain)", "estimated": c.estimated_peak_bytes,
+                     "measured": max(peaks) if peaks else None, "estimated_step_s": c.estimated_step_seconds,
+                     "measured_step_s": statistics.median(steps) if steps else None, "measured_steps_s": steps,
+                     "status": c.status, "reason": c.reason})
+    return rows
 
 
-def run(nproc: int, workloads: list[str], timed_steps: int = 3) -> list[dict]:
+def run(nproc: int, workloads: list[str], timed_steps: int = 3, repeats: int = 1) -> list[dict]:
     from atorch.distributed.local import run_local
 
     rows = []
     for workload in workloads:
-        args = (workload, timed_steps)
+        args = (workload, timed_steps, repeats)
         rows += run_local(measure_all, nproc, args, timeout_s=1800)[0] if nproc > 1 else measure_all(*args)
     return rows
 
@@ -86,13 +99,15 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {WORKLOADS}")
     parser.add_argument("--timed-steps", type=int, default=3,
                         help="timed steps per candidate: the toys' steps (tens of ms) need more for a stable order")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds over every candidate; the measured step time is the median of its rounds")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     workloads = args.workloads.split(",")
     unknown = sorted(set(workloads) - set(WORKLOADS))
     if unknown:
         parser.error(f"unknown workloads {unknown}; choose from {WORKLOADS}")
-    rows = run(args.nproc, workloads, args.timed_steps)
+    rows = run(args.nproc, workloads, args.timed_steps, args.repeats)
     from benchmarks.harness import spearman, write
 
     correlation, spans = {}, {}

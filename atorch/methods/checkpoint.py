@@ -82,6 +82,7 @@ ESTIMATE_LOW = 0.65
 
 def cost_term(config: CheckpointConfig, cost) -> None:
     cost.passes += 1  # the checkpointed blocks' forward runs again in backward
+    # (their saved tensors' trips through the checkpoint's hooks: StepCost.checkpointed_saves, probed)
     # Where the probe does not measure the backward (StepCost.activation_profile): the activation
     # peak is late in backward (a block recomputed while the later blocks' gradients exist), not
     # at the end of forward; measured on the Llama workloads, 87% of the gradients were alive at

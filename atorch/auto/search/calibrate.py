@@ -45,6 +45,7 @@ MATMUL_SIDE = {"cpu": 512, "cuda": 8192}
 MATMUL_SECONDS = 0.05
 # Layers of the tiny model whose step measures the overhead per operator.
 OP_LAYERS = 16
+CHECKPOINT_BLOCK = 4  # layers per checkpointed block when timing checkpointing's overhead
 
 
 def default_dir() -> Path:
@@ -99,6 +100,9 @@ def read_cached(path: Path, device: torch.device) -> tuple[dict | None, str]:
         return None, f"{path} does not read as a calibration ({error})"
     if "op_seconds" not in data:
         return None, f"{path} was measured before the overhead per operator was (run atorch calibrate --refresh)"
+    if "checkpoint_save_seconds" not in data:
+        return None, (f"{path} was measured before the overhead of checkpointing was (run atorch calibrate "
+                      "--refresh)")
     taken, now = data.get("calibration", {}), _setting(device)
     changed = [f"{key} {taken.get(key)} there, {value} here" for key, value in now.items() if taken.get(key) != value]
     if changed:
@@ -135,6 +139,7 @@ def measure(device: torch.device) -> dict:
     local = setting["local_world_size"]
     matmul = {"fp32": _matmul_rate(device, torch.float32), "bf16": _matmul_rate(device, torch.bfloat16)}
     op_seconds = _op_seconds(device)
+    checkpoint_save_seconds = _checkpoint_save_seconds(device, op_seconds)
     collectives: dict = {kind: {} for kind in KINDS}
     for size in _group_sizes(world, local):
         group, own = _group_of(size)
@@ -154,6 +159,10 @@ def measure(device: torch.device) -> dict:
                "sustained_fraction": "1: the matmul rates are measured, already sustained",
                "op_seconds": f"{how}: forward + backward of {OP_LAYERS} tiny Linear + ReLU layers on one sample, "
                              f"over 3 x the operators its forward dispatches, median of {REPEATS}, the slowest rank's",
+               "checkpoint_save_seconds": f"{how}: the same layers in blocks of {CHECKPOINT_BLOCK}, each "
+                                          "checkpointed as atorch's checkpoint does, minus the same without and the "
+                                          "recompute's operators at op_seconds, over the tensors the blocks save, "
+                                          f"median of {REPEATS}, the slowest rank's",
                "memory": "this device's memory (the node's RAM shared by its ranks on CPU)",
                "intra_node.bandwidth": f"{how}: all-reduce over the largest group inside a node"
                if inside else "nominal: one rank, nothing to measure",
@@ -174,6 +183,7 @@ def measure(device: torch.device) -> dict:
         "inter_node": inter,
         "collectives": {k: v for k, v in collectives.items() if v},
         "op_seconds": op_seconds,
+        "checkpoint_save_seconds": checkpoint_save_seconds,
         "attention": "flash" if device.type == "cuda" else "math",
         "calibration": {"device": device_name(device), "world_size": world, **setting, "when": when,
                         "seconds": seconds, "torch": torch.__version__},
@@ -247,6 +257,32 @@ def _op_seconds(device: torch.device) -> float:
         model(x).sum().backward()
 
     return median_seconds(device, step, batch=10) / (3 * max(ops.count, 1))
+
+
+def _checkpoint_save_seconds(device: torch.device, op_seconds: float) -> float:
+    """Seconds checkpointing costs per tensor a checkpointed block saves for backward, beyond
+    running the block's forward again (``op_seconds`` per operator): the checkpoint's hooks pack
+    and unpack every such tensor, and the recompute's bookkeeping. On a CPU a small block's
+    checkpoint costs more than its recompute."""
+    from atorch.auto.search.ops import OpCounter
+    from atorch.methods.checkpoint import CheckpointedForward
+
+    def blocks():
+        return torch.nn.Sequential(*(
+            torch.nn.Sequential(*(layer for _ in range(CHECKPOINT_BLOCK) for layer in (torch.nn.Linear(8, 8),
+                                                                                      torch.nn.ReLU())))
+            for _ in range(OP_LAYERS // CHECKPOINT_BLOCK))).to(device)
+
+    plain, checkpointed = blocks(), blocks()
+    for block in checkpointed:
+        block.forward = CheckpointedForward(block.forward, use_reentrant=False)
+    x = torch.randn(1, 8, device=device)
+    saved = []
+    with OpCounter() as ops, torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(1) or t, lambda t: t):
+        plain(x)
+    plain_s = median_seconds(device, lambda: plain(x).sum().backward(), batch=10)
+    checkpointed_s = median_seconds(device, lambda: checkpointed(x).sum().backward(), batch=10)
+    return max(0.0, (checkpointed_s - plain_s - ops.count * op_seconds) / max(len(saved), 1))
 
 
 def _group_sizes(world: int, local: int) -> list[int]:

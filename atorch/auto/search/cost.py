@@ -156,8 +156,10 @@ class _SavedBytes:
     def __init__(self):
         self.by_dtype: dict[torch.dtype, int] = {}
         self._seen: set = set()
+        self.packed = 0  # tensors saved (parameters and repeats included): what a checkpoint's hooks would see
 
     def pack(self, tensor: torch.Tensor):
+        self.packed += 1
         storage = tensor.untyped_storage()
         key = (storage.data_ptr(), tensor.device) if tensor.device.type != "meta" else id(storage)
         if key not in self._seen and not isinstance(tensor, torch.nn.Parameter):
@@ -200,7 +202,8 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
     """(bytes saved for backward, number of checkpointed modules) of one forward of a copy; the
     forward's FLOPs, its operator count, then (on real tensors, with a loss) the step's
     activations at the end of forward and their profile over backward
-    (:mod:`atorch.auto.search.timeline`) are appended to ``counts`` when given."""
+    (:mod:`atorch.auto.search.timeline`), then the tensors saved outside checkpoints are appended
+    to ``counts`` when given."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from atorch.auto.context import ModelContext, move_to_device
@@ -251,7 +254,7 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
     finally:  # a probe that raised is given back too
         free_copy(probe)
     if counts is not None:
-        counts.extend([flop_counter.get_total_flops(), op_counter.count, profile])
+        counts.extend([flop_counter.get_total_flops(), op_counter.count, profile, counter.packed])
     saved = counter.by_dtype
     if on_meta:
         # Meta tensors show what a method does to shapes, not to dtypes (autocast does nothing on
@@ -325,27 +328,30 @@ def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, mod
     checkpointing (parameters excluded). On real tensors with a loss, the probe also runs backward
     and measures them (:mod:`atorch.auto.search.timeline`); otherwise they are the bytes one
     forward of a copy saves, plus, with checkpointing, one checkpointed block's activations
-    recomputed during backward. The forward's FLOPs, its operator count, then the profile of the
+    recomputed during backward. The forward's FLOPs, its operator count, the profile of the
     activations and gradients over backward (``StepCost.activation_profile``; empty when not
-    measured) are appended to ``counts`` when given; with a ``memo`` dict, probes the same as one
+    measured), then the tensors saved through a checkpoint's hooks are appended to ``counts`` when
+    given; with a ``memo`` dict, probes the same as one
     already run are not run again (:func:`_probe`)."""
     counted: list = []
     saved, checkpointed = _probe(memo, model, strategy, batch, model_input_format, loss_func, device_ctx,
                                  PROBED_STAGES, counted)
-    reference, profile = counted.pop(2) if len(counted) > 2 else (0, ())
+    flops, ops, (reference, profile), packed = counted
+    hooked = 0
     if checkpointed:
         plain: list = []
         full, _ = _probe(memo, model, strategy, batch, model_input_format, loss_func, device_ctx, (Stage.REWRITE,),
                          plain)
         if not profile:
             saved += max(full - saved, 0) // checkpointed
-        # A checkpointed block's operators run inside the checkpoint, out of the counter's sight
-        # (193 of 267 counted on a small Llama): the forward's operators are the plain forward's.
-        counted[1:2] = plain[1:2]
+        # A checkpointed block's operators and saved tensors are out of the counters' sight, inside
+        # the checkpoint (193 of 267 operators on a small Llama): the forward's operators are the
+        # plain forward's, and the tensors it saves that this one did not went through the hooks.
+        ops, hooked = plain[1], max(plain[3] - packed, 0)
     if profile:
         saved = reference
     if counts is not None:
-        counts.extend([*counted, profile])
+        counts.extend([flops, ops, profile, hooked])
     return saved
 
 
@@ -414,6 +420,9 @@ class StepCost:
     # operators a rank dispatches per pass, as a multiple of one forward's: a pipeline stage runs
     # its share of the layers once per microbatch
     op_share: float = 1.0
+    # tensors the checkpointed blocks save per forward, each through the checkpoint's hooks (the
+    # profile's checkpoint_save_seconds); the probe counts them, like forward_ops, per pass
+    checkpointed_saves: float = 0.0
     bubble: float = 0.0  # idle time of a pipeline schedule, as a fraction of the compute
     # bytes moved over the data-parallel group per step, as multiples of the rank's model piece's
     # parameter and gradient bytes ({"grads": 2}: an all-reduce); a ring over n ranks moves
@@ -490,7 +499,8 @@ class StepCost:
         # framework overhead per operator: calibrated on this machine, none in a datasheet profile;
         # on a GPU the host issues operators while earlier kernels run: the slower of the two counts
         op_seconds = 0.0 if self.profile is None else self.profile.op_seconds
-        overhead = self.forward_ops * self.passes * self.op_share * op_seconds
+        hooks = 0.0 if self.profile is None else self.checkpointed_saves * self.profile.checkpoint_save_seconds
+        overhead = (self.forward_ops * self.passes * op_seconds + hooks) * self.op_share
         compute = max(compute, overhead) if self.device_type == "cuda" else compute + overhead
         # what a collective can hide behind: each pass's compute, shared by the collectives in it
         hides = 0.0 if self.profile is None else self.profile.overlap
@@ -548,7 +558,7 @@ class StepCost:
 def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int], state_factor: float,
                activations: int, forward_flops: float = 0.0, tokens: int = 0, device_type: str = "cpu",
                forward_ops: float = 0.0, optim_seconds_per_byte: float = 0.0,
-               activation_profile: tuple = ()) -> StepCost:
+               activation_profile: tuple = (), checkpointed_saves: float = 0.0) -> StepCost:
     """The candidate's :class:`StepCost`: the whole model's terms, then each method's ``cost_term``."""
     cost = StepCost(model, dict(dims), state_factor, device_type, forward_flops, tokens,
                     frozenset(absorbed_methods(strategy)),
@@ -564,6 +574,7 @@ def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int],
     cost.optim_state = trainable * state_factor
     cost.activations = activations
     cost.activation_profile = tuple(activation_profile)
+    cost.checkpointed_saves = checkpointed_saves
     for name, config in strategy.items():
         term = get_method(name).cost_term
         if term is not None:

@@ -78,7 +78,8 @@ def cost_candidate(model, strategy, dims, state_factor, probe, device_type: str 
     other failure leaves the cost unknown: the dry run will meet the failure and record it
     properly. ``probe(strategy, counts, dims)`` returns activation bytes of one forward on a
     per-data-rank batch of the layout ``dims`` and its tokens, and appends its FLOPs (then, when
-    counted, its operator count and activation profile) to ``counts``."""
+    counted, its operator count, activation profile and tensors saved through checkpoints) to
+    ``counts``."""
     try:
         strategy = resolve_strategy(model, strategy)
     except AtorchConfigError as error:
@@ -86,9 +87,9 @@ def cost_candidate(model, strategy, dims, state_factor, probe, device_type: str 
     try:
         counts: list = []
         activations, tokens = probe(strategy, counts, dims)
-        return cost.build_cost(model, strategy, dims, state_factor, activations, counts[0] if counts else 0.0,
-                               tokens, device_type, counts[1] if len(counts) > 1 else 0.0,
-                               optim_seconds_per_byte, counts[2] if len(counts) > 2 else ()), None
+        flops, ops, profile, hooked = (*counts, *(0.0, 0.0, (), 0)[len(counts):])[:4]
+        return cost.build_cost(model, strategy, dims, state_factor, activations, flops, tokens, device_type, ops,
+                               optim_seconds_per_byte, profile, hooked), None
     except Exception as error:  # noqa: BLE001
         logger.debug("no estimate for %s: %s", strategy.opt_names, error)
         return None, None

@@ -38,6 +38,7 @@ def test_calibration_measures_caches_reuses_and_refreshes_on_2_ranks(tmp_path):
     assert set(first.matmul_flops) == {"fp32", "bf16"}
     assert set(first.collectives) == set(calib.KINDS)
     assert 1e-8 < first.op_seconds < 1e-2  # microseconds of Python and dispatch per operator
+    assert 0 < first.checkpoint_save_seconds < 1e-2  # the checkpoint's hooks per tensor a block saves
     for kind, by_size in first.collectives.items():
         link = by_size[2]
         assert math.isfinite(link.bandwidth) and link.bandwidth > 0, kind
@@ -65,6 +66,7 @@ def _write_calibration(directory, world: int, flops: float, links: dict[str, tup
         "memory": "1GiB", "gpus_per_node": setting["local_world_size"], "intra_node": link, "inter_node": link,
         "collectives": {kind: {str(world): {"bandwidth": bw, "latency": lat}} for kind, (bw, lat) in links.items()},
         "op_seconds": 0.0,
+        "checkpoint_save_seconds": 0.0,
         "calibration": {"device": "cpu", "world_size": world, **setting},
         "sources": {"matmul_flops": "test", "memory": "test", "intra_node.bandwidth": "test",
                     "inter_node.bandwidth": "test"},
@@ -105,11 +107,12 @@ def test_a_calibration_taken_with_another_setting_is_not_used(tmp_path, monkeypa
     assert rates is None and text.startswith("nominal rates") and "local_world_size" in text
 
 
-def test_a_calibration_from_before_the_overhead_per_operator_is_measured_again(tmp_path):
+@pytest.mark.parametrize("term", ["op_seconds", "checkpoint_save_seconds"])
+def test_a_calibration_from_before_an_overhead_was_measured_is_measured_again(tmp_path, term):
     _write_calibration(tmp_path, 2, 1e9, {"all_reduce": (1e8, 1e-4)})
     path = calib.cache_path(torch.device("cpu"), 2, tmp_path)
     data = json.loads(path.read_text())
-    del data["op_seconds"]
+    del data[term]
     path.write_text(json.dumps(data))
     rates, text = calib.cached_rates(torch.device("cpu"), 2, tmp_path)
     assert rates is None and "atorch calibrate --refresh" in text

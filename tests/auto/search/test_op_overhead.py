@@ -31,7 +31,8 @@ def test_the_probe_counts_the_forward_operators():
     counts: list = []
     cost.activation_bytes(_model(), Strategy([("parallel_mode", {})]), torch.randn(2, 16), None, None,
                           DeviceContext.detect(), counts)
-    flops, ops, profile = counts
+    flops, ops, profile, hooked = counts
+    assert hooked == 0  # no checkpoint: no tensor goes through its hooks
     assert profile == ()  # no loss: the backward is not probed
     assert flops == 2 * 2 * 16 * 16 * 4  # four matmuls of a 2 x 16 batch
     assert ops >= 4  # at least a linear (addmm) per layer
@@ -53,6 +54,20 @@ def test_each_operator_of_each_pass_costs_the_calibrated_overhead():
                                    1e6, 32, "cpu", forward_ops=100)
     checkpointed.profile = _profile(1e-5)
     assert checkpointed.passes == 4  # the recomputed forward dispatches its operators again
+
+
+def test_a_checkpointed_block_costs_its_hooks_on_every_tensor_it_saves():
+    """Beyond recomputing its forward, a checkpointed block pays the checkpoint's hooks on each
+    tensor it saves (calibrated per tensor: on a CPU several times an operator's own overhead);
+    without checkpoint the probe counts none."""
+    def seconds(methods, hooks, saves=0):
+        step = cost.build_cost(_model(), Strategy([("parallel_mode", {}), *methods]), {"data": 1}, 2.0, 0, 1e6, 32,
+                               "cpu", forward_ops=100, checkpointed_saves=saves)
+        step.profile = dataclasses.replace(_profile(1e-5), checkpoint_save_seconds=hooks)
+        return step.seconds()
+
+    assert seconds(["checkpoint"], 4e-5, 30) - seconds(["checkpoint"], 0.0, 30) == pytest.approx(30 * 4e-5)
+    assert seconds([], 4e-5) == seconds([], 0.0)
 
 
 def test_on_a_gpu_the_host_overhead_overlaps_the_kernels():

@@ -35,9 +35,11 @@ def test_shared_probes_run_once_and_give_the_same_estimates(monkeypatch):
     assert len(forwards) == 3
 
 
-def test_a_checkpointed_candidate_counts_the_plain_forwards_operators():
+def test_a_checkpointed_candidate_counts_the_plain_forwards_operators_and_its_hooked_tensors():
     """The checkpointed blocks' operators are dispatched out of the counter's sight: the cost
-    model's operator count (and so its overhead term) is the plain forward's, times 4 passes."""
+    model's operator count (and so its overhead term) is the plain forward's, times 4 passes.
+    What the blocks save goes through the checkpoint's hooks: the tensors the plain forward saves
+    and the checkpointed one does not (their count costs the profile's checkpoint_save_seconds)."""
     torch.manual_seed(0)
     model = TinyTransformer(layers=2)
     batch = {k: torch.stack([TokenDataset(n=4)[i][k] for i in range(2)]) for k in ("input_ids", "labels")}
@@ -47,4 +49,7 @@ def test_a_checkpointed_candidate_counts_the_plain_forwards_operators():
         strategy = resolve_strategy(model, Strategy([("parallel_mode", {}), *methods]))
         counts[name] = []
         cost.activation_bytes(model, strategy, batch, "unpack_dict", None, device_ctx, counts[name])
-    assert counts["checkpoint"] == counts["plain"]
+    assert counts["checkpoint"][:3] == counts["plain"][:3]
+    # two blocks of the tiny transformer save ~20 tensors each; outside the blocks, the embedding
+    # and the head save a few
+    assert counts["plain"][3] == 0 and 20 <= counts["checkpoint"][3] <= 80, counts
