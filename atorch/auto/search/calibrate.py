@@ -46,6 +46,7 @@ MATMUL_SECONDS = 0.05
 # Layers of the tiny model whose step measures the overhead per operator.
 OP_LAYERS = 16
 CHECKPOINT_BLOCK = 4  # layers per checkpointed block when timing checkpointing's overhead
+WRAPPED_UNITS = 8  # FSDP2 units when timing its hooks' overhead
 
 
 def default_dir() -> Path:
@@ -100,9 +101,9 @@ def read_cached(path: Path, device: torch.device) -> tuple[dict | None, str]:
         return None, f"{path} does not read as a calibration ({error})"
     if "op_seconds" not in data:
         return None, f"{path} was measured before the overhead per operator was (run atorch calibrate --refresh)"
-    if "checkpoint_save_seconds" not in data:
-        return None, (f"{path} was measured before the overhead of checkpointing was (run atorch calibrate "
-                      "--refresh)")
+    if "checkpoint_save_seconds" not in data or "wrapped_call_seconds" not in data:
+        return None, (f"{path} was measured before the overheads of checkpointing and FSDP2's hooks were (run "
+                      "atorch calibrate --refresh)")
     taken, now = data.get("calibration", {}), _setting(device)
     changed = [f"{key} {taken.get(key)} there, {value} here" for key, value in now.items() if taken.get(key) != value]
     if changed:
@@ -147,6 +148,7 @@ def measure(device: torch.device) -> dict:
             collectives[kind][str(size)] = _fit(device, kind, group, size)
         if own:
             dist.destroy_process_group(group)
+    wrapped_call_seconds = _wrapped_call_seconds(device, collectives, world)
     inside = max((s for s in map(int, collectives["all_reduce"]) if s <= local), default=None)
     intra = collectives["all_reduce"][str(inside)] if inside else {"bandwidth": 1e9, "latency": 1e-4}
     inter = collectives["all_reduce"][str(world)] if world > local else intra
@@ -163,6 +165,11 @@ def measure(device: torch.device) -> dict:
                                           "checkpointed as atorch's checkpoint does, minus the same without and the "
                                           "recompute's operators at op_seconds, over the tensors the blocks save, "
                                           f"median of {REPEATS}, the slowest rank's",
+               "wrapped_call_seconds": f"{how}: forward + backward of {WRAPPED_UNITS} tiny Linear layers, each its "
+                                       "own FSDP2 unit over every rank, minus the same unsharded and the "
+                                       "collectives' calibrated latencies, over its all-gathers and "
+                                       f"reduce-scatters, median of {REPEATS}, the slowest rank's"
+               if world > 1 else "one rank: nothing to measure",
                "memory": "this device's memory (the node's RAM shared by its ranks on CPU)",
                "intra_node.bandwidth": f"{how}: all-reduce over the largest group inside a node"
                if inside else "nominal: one rank, nothing to measure",
@@ -184,6 +191,7 @@ def measure(device: torch.device) -> dict:
         "collectives": {k: v for k, v in collectives.items() if v},
         "op_seconds": op_seconds,
         "checkpoint_save_seconds": checkpoint_save_seconds,
+        "wrapped_call_seconds": wrapped_call_seconds,
         "attention": "flash" if device.type == "cuda" else "math",
         "calibration": {"device": device_name(device), "world_size": world, **setting, "when": when,
                         "seconds": seconds, "torch": torch.__version__},
@@ -283,6 +291,31 @@ def _checkpoint_save_seconds(device: torch.device, op_seconds: float) -> float:
     plain_s = median_seconds(device, lambda: plain(x).sum().backward(), batch=10)
     checkpointed_s = median_seconds(device, lambda: checkpointed(x).sum().backward(), batch=10)
     return max(0.0, (checkpointed_s - plain_s - ops.count * op_seconds) / max(len(saved), 1))
+
+
+def _wrapped_call_seconds(device: torch.device, collectives: dict, world: int) -> float:
+    """Host seconds FSDP2 spends per collective it issues from its hooks, beyond the collective's
+    own latency: copying parameters and gradients in and out of its flat buffers, its DTensor
+    bookkeeping. On a small model it is most of what sharding costs."""
+    if world < 2:
+        return 0.0
+    import copy
+
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(WRAPPED_UNITS))).to(device)
+    sharded = copy.deepcopy(plain)
+    for layer in sharded:
+        fully_shard(layer, reshard_after_forward=True)
+    fully_shard(sharded)  # holds no parameters of its own: no collective
+    x = torch.randn(1, 16, device=device)
+    plain_s = median_seconds(device, lambda: plain(x).sum().backward(), dist.group.WORLD, batch=10)
+    sharded_s = median_seconds(device, lambda: sharded(x).sum().backward(), dist.group.WORLD, batch=10)
+    gathers, scatters = 2 * WRAPPED_UNITS, WRAPPED_UNITS  # gathered in forward and again in backward
+    latency = (gathers * collectives["all_gather"][str(world)]["latency"]
+               + scatters * collectives["reduce_scatter"][str(world)]["latency"])
+    return max(0.0, (sharded_s - plain_s - latency) / (gathers + scatters))
 
 
 def _group_sizes(world: int, local: int) -> list[int]:

@@ -423,6 +423,9 @@ class StepCost:
     # tensors the checkpointed blocks save per forward, each through the checkpoint's hooks (the
     # profile's checkpoint_save_seconds); the probe counts them, like forward_ops, per pass
     checkpointed_saves: float = 0.0
+    # collectives a sharding wrapper issues from its hooks per step (FSDP2: each unit's gathers and
+    # reduce-scatter), each with the profile's wrapped_call_seconds of host work around it
+    wrapped_calls: float = 0.0
     bubble: float = 0.0  # idle time of a pipeline schedule, as a fraction of the compute
     # bytes moved over the data-parallel group per step, as multiples of the rank's model piece's
     # parameter and gradient bytes ({"grads": 2}: an all-reduce); a ring over n ranks moves
@@ -499,8 +502,11 @@ class StepCost:
         # framework overhead per operator: calibrated on this machine, none in a datasheet profile;
         # on a GPU the host issues operators while earlier kernels run: the slower of the two counts
         op_seconds = 0.0 if self.profile is None else self.profile.op_seconds
-        hooks = 0.0 if self.profile is None else self.checkpointed_saves * self.profile.checkpoint_save_seconds
-        overhead = (self.forward_ops * self.passes * op_seconds + hooks) * self.op_share
+        hooks = wrapped = 0.0
+        if self.profile is not None:
+            hooks = self.checkpointed_saves * self.profile.checkpoint_save_seconds
+            wrapped = self.wrapped_calls * self.profile.wrapped_call_seconds
+        overhead = (self.forward_ops * self.passes * op_seconds + hooks) * self.op_share + wrapped
         compute = max(compute, overhead) if self.device_type == "cuda" else compute + overhead
         # what a collective can hide behind: each pass's compute, shared by the collectives in it
         hides = 0.0 if self.profile is None else self.profile.overlap

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from atorch.auto.context import ModelContext
 from atorch.auto.environment import DeviceContext
@@ -162,9 +163,23 @@ def search(
         if dp_size not in micro_batches:
             micro_batches[dp_size] = _first_micro_batch(probe_ctx, dp_size)
         batch = micro_batches[dp_size]
-        with quiet():
-            return cost.activation_bytes(model, strategy, batch, probe_ctx.model_input_format, probe_ctx.loss_func,
-                                         device_ctx, counts, memo=probes), cost.batch_tokens(batch)
+        # Rank 0 probes for all: every rank would run the same copy on the same batch (rank 0's
+        # sampler), and on a shared CPU the copies only slowed each other down.
+        outcome = None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            try:
+                counted: list = []
+                with quiet():
+                    saved = cost.activation_bytes(model, strategy, batch, probe_ctx.model_input_format,
+                                                  probe_ctx.loss_func, device_ctx, counted, memo=probes)
+                outcome = (saved, counted, None)
+            except Exception as error:  # noqa: BLE001 - raised below on every rank alike
+                outcome = (None, None, f"{type(error).__name__}: {error}")
+        saved, counted, error = from_rank0(outcome)
+        if error is not None:
+            raise RuntimeError(f"the activation probe failed on rank 0: {error}")
+        counts.extend(counted)
+        return saved, cost.batch_tokens(batch)
 
     budget, ratio = options.memory_budget, options.estimate_ratio
     results: list[tuple[Strategy, CandidateResult]] = []

@@ -38,6 +38,7 @@ def test_calibration_measures_caches_reuses_and_refreshes_on_2_ranks(tmp_path):
     assert set(first.matmul_flops) == {"fp32", "bf16"}
     assert set(first.collectives) == set(calib.KINDS)
     assert 1e-8 < first.op_seconds < 1e-2  # microseconds of Python and dispatch per operator
+    assert 0 <= first.wrapped_call_seconds < 1e-1  # FSDP2's host work per collective (beyond its latency)
     assert 0 < first.checkpoint_save_seconds < 1e-2  # the checkpoint's hooks per tensor a block saves
     for kind, by_size in first.collectives.items():
         link = by_size[2]
@@ -67,6 +68,7 @@ def _write_calibration(directory, world: int, flops: float, links: dict[str, tup
         "collectives": {kind: {str(world): {"bandwidth": bw, "latency": lat}} for kind, (bw, lat) in links.items()},
         "op_seconds": 0.0,
         "checkpoint_save_seconds": 0.0,
+        "wrapped_call_seconds": 0.0,
         "calibration": {"device": "cpu", "world_size": world, **setting},
         "sources": {"matmul_flops": "test", "memory": "test", "intra_node.bandwidth": "test",
                     "inter_node.bandwidth": "test"},
@@ -107,7 +109,7 @@ def test_a_calibration_taken_with_another_setting_is_not_used(tmp_path, monkeypa
     assert rates is None and text.startswith("nominal rates") and "local_world_size" in text
 
 
-@pytest.mark.parametrize("term", ["op_seconds", "checkpoint_save_seconds"])
+@pytest.mark.parametrize("term", ["op_seconds", "checkpoint_save_seconds", "wrapped_call_seconds"])
 def test_a_calibration_from_before_an_overhead_was_measured_is_measured_again(tmp_path, term):
     _write_calibration(tmp_path, 2, 1e9, {"all_reduce": (1e8, 1e-4)})
     path = calib.cache_path(torch.device("cpu"), 2, tmp_path)

@@ -70,6 +70,25 @@ def test_a_checkpointed_block_costs_its_hooks_on_every_tensor_it_saves():
     assert seconds([], 4e-5) == seconds([], 0.0)
 
 
+@pytest.mark.parametrize("method, gathers", [("fsdp", 2), ("zero2", 1)])
+def test_fsdp2_costs_its_host_work_on_every_collective_its_hooks_issue(method, gathers):
+    """Per unit, fsdp gathers twice (forward, then backward) and zero2 once, and both
+    reduce-scatter once: each of those collectives costs the profile's wrapped_call_seconds of
+    host work. DDP's bucketed all-reduce costs none."""
+    def seconds(methods, host):
+        step = cost.build_cost(_model(), Strategy([("parallel_mode", {}), *methods]), {"data": 2}, 2.0, 0, 1e6, 32,
+                               "cpu", forward_ops=100)
+        step.profile = dataclasses.replace(_profile(1e-5), wrapped_call_seconds=host)
+        return step, step.seconds()
+
+    step, without = seconds([method], 0.0)
+    _, with_host = seconds([method], 1e-3)
+    assert step.sync_calls["all_gather"] == gathers * step.sync_calls["reduce_scatter"]
+    assert step.wrapped_calls == sum(step.sync_calls.values()) > 0
+    assert with_host - without == pytest.approx(step.wrapped_calls * 1e-3)
+    assert seconds([], 1e-3)[1] == seconds([], 0.0)[1]
+
+
 def test_on_a_gpu_the_host_overhead_overlaps_the_kernels():
     """The slower of the two counts: the kernels when they are long, the host when they are short."""
     def seconds(flops, op_seconds):

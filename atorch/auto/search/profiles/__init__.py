@@ -10,7 +10,8 @@ machine (:mod:`atorch.auto.search.calibrate` writes its cache in this schema), a
 the framework overhead per dispatched operator (calibrated; 0 when absent); ``overlap`` the
 share of an early-issued data-parallel collective that runs behind compute (0 when absent);
 ``checkpoint_save_seconds`` what checkpointing adds per tensor a checkpointed block saves, beyond
-its recompute (calibrated; 0 when absent).
+its recompute, and ``wrapped_call_seconds`` the host time FSDP2 spends per collective its hooks
+issue (both calibrated; 0 when absent).
 The cost model (:meth:`atorch.auto.search.cost.StepCost.seconds`) uses a profile's rates in place
 of its nominal ones, and ``atorch plan --search --profile NAME`` plans with it::
 
@@ -67,6 +68,9 @@ class HardwareProfile:
     # seconds checkpointing costs per tensor a checkpointed block saves, beyond its recompute (its
     # hooks pack and unpack each): measured by calibration; 0 in a datasheet profile (host time)
     checkpoint_save_seconds: float = 0.0
+    # host seconds a sharding wrapper (FSDP2) spends per collective it issues from its hooks, beyond
+    # the collective: measured by calibration; 0 in a datasheet profile (host time)
+    wrapped_call_seconds: float = 0.0
 
     def peak(self, compute_dtype: str) -> float:
         """Peak dense FLOP/s for the cost model's compute dtype ("half" or "fp32")."""
@@ -128,9 +132,10 @@ def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwarePro
         link for by_size in collectives.values() for link in by_size.values()]
     op_seconds = float(data.get("op_seconds", 0.0))
     overlap = float(data.get("overlap", 0.0))
-    checkpoint_save_seconds = float(data.get("checkpoint_save_seconds", 0.0))
-    if not (math.isfinite(checkpoint_save_seconds) and checkpoint_save_seconds >= 0):
-        raise UnknownProfileError(f"hardware profile {path}: checkpoint_save_seconds must not be negative")
+    host = {key: float(data.get(key, 0.0)) for key in ("checkpoint_save_seconds", "wrapped_call_seconds")}
+    for key, value in host.items():
+        if not (math.isfinite(value) and value >= 0):
+            raise UnknownProfileError(f"hardware profile {path}: {key} must not be negative")
     if not 0 <= overlap <= 1:
         raise UnknownProfileError(f"hardware profile {path}: overlap is a share of the communication, in [0, 1], "
                                   f"not {overlap:g}")
@@ -153,5 +158,5 @@ def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwarePro
         collectives=collectives,
         op_seconds=op_seconds,
         overlap=overlap,
-        checkpoint_save_seconds=checkpoint_save_seconds,
+        **host,
     )
