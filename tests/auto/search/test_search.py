@@ -166,3 +166,31 @@ def test_a_second_search_reuses_the_cache(tmp_path):
     assert "from the search cache" in (_report(second).note or "")
     run_distributed(search_and_train, 2, fresh, use_search_cache=False, **kwargs)
     assert "cache" not in (_report(fresh).note or "")
+
+
+def _search_with_plain_estimated_slow(tmp_report, max_dryruns: int):
+    """A search whose estimate puts plain DDP behind the sharded candidates (1.8x its own
+    estimate: slower than they are, not so slow that one dominates it)."""
+    from atorch.auto.search import cost
+
+    seconds = cost.StepCost.seconds
+    cost.StepCost.seconds = lambda self: seconds(self) * (1.8 if set(self.methods) <= {"parallel_mode"} else 1.0)
+    excluded = ["amp_native", "module_replace", "checkpoint", "tensor_parallel", "pipeline_parallel",
+                "mixed_parallel"]
+    return search_and_train(tmp_report, steps=1, excluded=excluded, max_dryruns=max_dryruns, **FAST)
+
+
+@pytest.mark.parametrize("max_dryruns, measured", [(2, True), (1, False)])
+def test_plain_data_parallel_is_measured_whenever_it_fits_whatever_its_estimate(tmp_path, max_dryruns, measured):
+    """An estimate alone never makes the answer slower than plain DDP: when it surely fits, it
+    takes the last dry-run slot (one slot stays the estimate's best)."""
+    path = str(tmp_path / "report.json")
+    results = run_distributed(_search_with_plain_estimated_slow, 2, path, max_dryruns)
+    assert results[0]["status"]
+    report = _report(path)
+    plain = next(c for c in report.candidates if c.names == ["parallel_mode"])
+    # the estimate put plain behind what ran beside it: only the rule gave it a slot
+    others = [c for c in report.candidates if c.status == "measured" and c is not plain]
+    assert others and all(c.estimated_step_seconds < plain.estimated_step_seconds for c in others), report.table()
+    assert (plain.status == "measured") == measured, report.table()
+    assert report.dry_run == max_dryruns
