@@ -165,7 +165,7 @@ def search(
     # Every layout is probed on the smallest per-data-rank batch of the space (the most data
     # ranks), its activations and FLOPs scaled to the layout's batch: what a step keeps per sample
     # grows with the samples, and a layout search probes each method combination once, not once per
-    # data-parallel size (12 probes of 0.3 s became 4 on search_quality's tensor-best).
+    # data-parallel size (search_quality's tensor-best: 12 s of search before, 7 s after).
     probed_dp = max((math.prod(size for name, size in layout_dims(s, device_ctx.world_size).items()
                                if name in DATA_PARALLEL_DIMS) for s in candidates), default=1)
 
