@@ -40,7 +40,7 @@ def plan_search(model, world: int, global_batch: int, seq_len: int, profile, sta
     from atorch.auto.search.engine import cost_candidate, layout_dims
     from atorch.auto.search.space import candidate_space, layout_space, layout_text
     from atorch.auto.strategy import Strategy
-    from atorch.distributed.topology import DATA_PARALLEL_DIMS
+    from atorch.distributed.topology import data_parallel_size
     from atorch.utils.log import quiet
 
     memory = profile.memory if memory is None else memory
@@ -63,7 +63,7 @@ def plan_search(model, world: int, global_batch: int, seq_len: int, profile, sta
         return saved, flops[0] if flops else 0.0
 
     def probe(strategy, flops: list, dims: dict) -> tuple[int, int]:
-        per_rank = global_batch // math.prod(s for n, s in dims.items() if n in DATA_PARALLEL_DIMS)
+        per_rank = global_batch // data_parallel_size(dims)
         saved, forward = probe_one(strategy)
         flops.append(forward * per_rank)
         return saved * per_rank, per_rank * seq_len
@@ -77,7 +77,7 @@ def plan_search(model, world: int, global_batch: int, seq_len: int, profile, sta
     rows = []
     for index, strategy in enumerate(candidates, 1):
         dims = layout_dims(strategy, world)
-        dp = math.prod(s for n, s in dims.items() if n in DATA_PARALLEL_DIMS)
+        dp = data_parallel_size(dims)
         layout = layout_text(dims.items(), _layout_config(strategy))
         row = {"strategy": strategy, "layout": layout, "names": [n for n in strategy.opt_names if n != "parallel_mode"]}
         if global_batch % dp:

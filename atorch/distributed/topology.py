@@ -27,6 +27,12 @@ TENSOR_SUB_DIMS = ("depth", "col", "row")
 # see different samples.)
 DATA_PARALLEL_DIMS = ("data", "zero", "depth")
 
+
+def data_parallel_size(dims: dict[str, int]) -> int:
+    """How many ranks share the global batch in a layout's ``{dim: size}``: the product of its
+    data-parallel dims."""
+    return math.prod(size for name, size in dims.items() if name in DATA_PARALLEL_DIMS)
+
 _collective_timeout: contextvars.ContextVar[float | None] = contextvars.ContextVar("collective_timeout", default=None)
 
 

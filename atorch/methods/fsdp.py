@@ -114,7 +114,7 @@ def cost_term(config: FsdpConfig, cost) -> None:
     # (the root too: atorch passes reshard_after_forward to every unit, so FSDP2 does not keep the
     # root whole as it does when the value is left to it)
     cost.sync_calls = {"all_gather": units * (2 if config.reshard_after_forward else 1), "reduce_scatter": units}
-    cost.wrapped_calls = sum(cost.sync_calls.values())  # each from FSDP2's hooks
+    cost.sync_in_hooks = True  # FSDP2 issues each of them
     # the next unit is gathered while this one computes; gradients reduced as backward makes them
     cost.sync_overlap = {"all_gather": ("forward", "backward"), "reduce_scatter": ("backward",)}
 

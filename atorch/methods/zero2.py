@@ -117,7 +117,7 @@ def cost_term(config: Zero2Config, cost) -> None:
         units = max(1.0, (len(fsdp2.group_units(cost.model, blocks, config.bucket_params)) + 1) * cost.stage_share)
         cost.sync_calls = {"all_gather": units, "reduce_scatter": units}
         cost.sync_overlap = {"reduce_scatter": ("backward",), "all_gather": ("forward",)}
-        cost.wrapped_calls = 2 * units  # each from FSDP2's hooks
+        cost.sync_in_hooks = True  # FSDP2 issues each of them
 
 
 def _fsdp2_terms(config: Zero2Config, cost) -> None:

@@ -30,7 +30,7 @@ import torch
 from atorch.auto.context import run_model
 from atorch.auto.registry import Stage, absorbed_methods, get_method
 from atorch.auto.strategy import Strategy
-from atorch.distributed.topology import DATA_PARALLEL_DIMS
+from atorch.distributed.topology import DATA_PARALLEL_DIMS, data_parallel_size
 from atorch.utils.log import logger
 
 # How far the memory estimate may be from the measured peak, as estimated / measured: the bounds
@@ -423,9 +423,10 @@ class StepCost:
     # tensors the checkpointed blocks save per forward, each through the checkpoint's hooks (the
     # profile's checkpoint_save_seconds); the probe counts them, like forward_ops, per pass
     checkpointed_saves: float = 0.0
-    # collectives a sharding wrapper issues from its hooks per step (FSDP2: each unit's gathers and
-    # reduce-scatter), each with the profile's wrapped_call_seconds of host work around it
-    wrapped_calls: float = 0.0
+    # the data-parallel sync's collectives (sync_calls) come from a sharding wrapper's hooks (FSDP2:
+    # each unit's gathers and reduce-scatter), each with the profile's wrapped_call_seconds of host
+    # work around it
+    sync_in_hooks: bool = False
     bubble: float = 0.0  # idle time of a pipeline schedule, as a fraction of the compute
     # bytes moved over the data-parallel group per step, as multiples of the rank's model piece's
     # parameter and gradient bytes ({"grads": 2}: an all-reduce); a ring over n ranks moves
@@ -448,7 +449,7 @@ class StepCost:
 
     @property
     def dp_size(self) -> int:
-        return math.prod(size for name, size in self.dims.items() if name in DATA_PARALLEL_DIMS)
+        return data_parallel_size(self.dims)
 
     def size(self, dim: str) -> int:
         return self.dims.get(dim, 1)
@@ -505,7 +506,8 @@ class StepCost:
         hooks = wrapped = 0.0
         if self.profile is not None:
             hooks = self.checkpointed_saves * self.profile.checkpoint_save_seconds
-            wrapped = self.wrapped_calls * self.profile.wrapped_call_seconds
+            if self.sync_in_hooks:
+                wrapped = sum(self.sync_calls.values()) * self.profile.wrapped_call_seconds
         overhead = (self.forward_ops * self.passes * op_seconds + hooks) * self.op_share + wrapped
         compute = max(compute, overhead) if self.device_type == "cuda" else compute + overhead
         # what a collective can hide behind: each pass's compute, shared by the collectives in it

@@ -1,6 +1,5 @@
 """The fully automatic search: candidates -> cost model -> dry runs -> the winner."""
 
-import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from atorch.auto.search.dryrun import dry_run
 from atorch.auto.search.report import FAILED, MEASURED, PRUNED, CandidateResult, SearchReport, size_text
 from atorch.auto.search.space import candidate_space, layout_space, layout_text
 from atorch.auto.strategy import Strategy
-from atorch.distributed.topology import DATA_PARALLEL_DIMS
+from atorch.distributed.topology import DATA_PARALLEL_DIMS, data_parallel_size
 from atorch.errors import AtorchConfigError
 from atorch.utils.log import logger, quiet
 
@@ -87,7 +86,9 @@ def cost_candidate(model, strategy, dims, state_factor, probe, device_type: str 
     try:
         counts: list = []
         activations, tokens = probe(strategy, counts, dims)
-        flops, ops, profile, hooked = (*counts, *(0.0, 0.0, (), 0)[len(counts):])[:4]
+        # FLOPs, operators, activation profile, tensors through checkpoints; a probe may count only
+        # the FLOPs (atorch plan --search)
+        flops, ops, profile, hooked = counts + [0.0, 0.0, (), 0][len(counts):]
         return cost.build_cost(model, strategy, dims, state_factor, activations, flops, tokens, device_type, ops,
                                optim_seconds_per_byte, profile, hooked), None
     except Exception as error:  # noqa: BLE001
@@ -166,11 +167,10 @@ def search(
     # ranks), its activations and FLOPs scaled to the layout's batch: what a step keeps per sample
     # grows with the samples, and a layout search probes each method combination once, not once per
     # data-parallel size (search_quality's tensor-best: 12 s of search before, 7 s after).
-    probed_dp = max((math.prod(size for name, size in layout_dims(s, device_ctx.world_size).items()
-                               if name in DATA_PARALLEL_DIMS) for s in candidates), default=1)
+    probed_dp = max((data_parallel_size(layout_dims(s, device_ctx.world_size)) for s in candidates), default=1)
 
     def probe(strategy: Strategy, counts: list, dims: dict[str, int]) -> tuple[int, int]:
-        dp_size = math.prod(size for name, size in dims.items() if name in DATA_PARALLEL_DIMS)
+        dp_size = data_parallel_size(dims)
         tokens = cost.batch_tokens(micro_batch(dp_size))
         batch = micro_batch(max(probed_dp, dp_size))
         scale = tokens / max(cost.batch_tokens(batch), 1)

@@ -130,20 +130,19 @@ def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwarePro
                    for kind, by_size in data.get("collectives", {}).items()}
     links = [_link(data["intra_node"]), _link(data["inter_node"])] + [
         link for by_size in collectives.values() for link in by_size.values()]
-    op_seconds = float(data.get("op_seconds", 0.0))
     overlap = float(data.get("overlap", 0.0))
-    host = {key: float(data.get(key, 0.0)) for key in ("checkpoint_save_seconds", "wrapped_call_seconds")}
+    # the host's overheads (calibrated; 0 when absent)
+    host = {key: float(data.get(key, 0.0)) for key in ("op_seconds", "checkpoint_save_seconds", "wrapped_call_seconds")}
     for key, value in host.items():
         if not (math.isfinite(value) and value >= 0):
             raise UnknownProfileError(f"hardware profile {path}: {key} must not be negative")
     if not 0 <= overlap <= 1:
         raise UnknownProfileError(f"hardware profile {path}: overlap is a share of the communication, in [0, 1], "
                                   f"not {overlap:g}")
-    if (not 0 < fraction <= 1 or not math.isfinite(op_seconds) or op_seconds < 0
+    if (not 0 < fraction <= 1
             or not all(math.isfinite(v) and v > 0 for v in data["matmul_flops"].values())
             or not all(math.isfinite(v) and v > 0 for link in links for v in (link.bandwidth, link.latency))):
-        raise UnknownProfileError(f"hardware profile {path}: rates must be positive, op_seconds not negative and "
-                                  "sustained_fraction in (0, 1]")
+        raise UnknownProfileError(f"hardware profile {path}: rates must be positive and sustained_fraction in (0, 1]")
     return HardwareProfile(
         name=data.get("name", path.stem),
         matmul_flops={k: float(v) for k, v in data["matmul_flops"].items()},
@@ -156,7 +155,6 @@ def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwarePro
         description=data.get("description", ""),
         attention=data.get("attention", "math"),
         collectives=collectives,
-        op_seconds=op_seconds,
         overlap=overlap,
         **host,
     )
