@@ -169,12 +169,14 @@ def test_a_second_search_reuses_the_cache(tmp_path):
 
 
 def _search_with_plain_estimated_slow(tmp_report, max_dryruns: int):
-    """A search whose estimate puts plain DDP behind the sharded candidates (1.8x its own
-    estimate: slower than they are, not so slow that one dominates it)."""
-    from atorch.auto.search import cost
+    """A search whose estimate puts plain DDP behind the sharded candidates (3x its own estimate),
+    with dominance pruning out of the way (a rule of its own: the estimates include a timed
+    optimizer step, and zero2 once came out 2.07x faster than plain at 1.8x)."""
+    from atorch.auto.search import cost, engine
 
     seconds = cost.StepCost.seconds
-    cost.StepCost.seconds = lambda self: seconds(self) * (1.8 if set(self.methods) <= {"parallel_mode"} else 1.0)
+    cost.StepCost.seconds = lambda self: seconds(self) * (3.0 if set(self.methods) <= {"parallel_mode"} else 1.0)
+    engine.DOMINANCE = float("inf")
     excluded = ["amp_native", "module_replace", "checkpoint", "tensor_parallel", "pipeline_parallel",
                 "mixed_parallel"]
     return search_and_train(tmp_report, steps=1, excluded=excluded, max_dryruns=max_dryruns, **FAST)
