@@ -16,6 +16,7 @@ Other models are split by tracing their forward (:mod:`atorch.pipeline.traced`, 
 :func:`layout_for`); :func:`register_layout` adds a fast path for a model family of your own.
 """
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -139,8 +140,10 @@ class DecoderLMLayout(Layout):
 
         base = self.model.model
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        # transformers 5.24 renamed past_key_values to cache (the old name warns until 5.40)
+        cache = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
         mask = create_causal_mask(config=base.config, inputs_embeds=hidden, attention_mask=None,
-                                  past_key_values=None, position_ids=position_ids)
+                                  position_ids=position_ids, **{cache: None})
         return {"attention_mask": mask, "position_ids": position_ids,
                 "position_embeddings": base.rotary_emb(hidden, position_ids=position_ids)}
 

@@ -116,7 +116,8 @@ class TracedLayout(Layout):
             raise NotSupportedError(
                 f"{type(self.model).__name__} traces, but the program cut into stages does not run "
                 f"({type(error).__name__}: {str(error).splitlines()[0]}); torch.export's unflattening of the trace "
-                "loses inputs of some module calls (seen with Llama's rotary_emb, called with keyword arguments). "
+                "can lose the inputs of a module call (seen with a forward decorated with torch.no_grad, such as "
+                "Llama's rotary_emb before transformers 5.24). "
                 "Fix: a layout (Llama-style decoders have one; "
                 "atorch.pipeline.register_layout) or an nn.Sequential of the pieces") from error
         self.out = _OutputMap(pipe, capture)

@@ -239,6 +239,46 @@ class HiddenLayout(nn.Module):
         return self.lm(input_ids=input_ids)
 
 
+class _NoGradTable(nn.Module):
+    """A rotary-style table computed under torch.no_grad, as Llama's rotary_emb was before
+    transformers 5.24: torch.export's unflattening loses its input once the program is cut."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.register_buffer("freq", torch.arange(float(width)), persistent=False)
+
+    @torch.no_grad()
+    def forward(self, hidden, position_ids):
+        return (position_ids[..., None].float() * self.freq).cos().to(hidden.dtype)
+
+
+class _TableBlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, hidden, table):
+        return hidden + self.linear(hidden) * table
+
+
+class NoGradTableModel(nn.Module):
+    """Traces, but its program cut into two stages does not run (see ``_NoGradTable``)."""
+
+    def __init__(self, vocab: int = 16, width: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList([_TableBlock(width), _TableBlock(width)])
+        self.table = _NoGradTable(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        table = self.table(hidden, position_ids=torch.arange(input_ids.shape[1], device=input_ids.device)[None])
+        for layer in self.layers:
+            hidden = layer(hidden, table)
+        return self.head(hidden)
+
+
 def train_loop_model(load_strategy, steps: int = STEPS) -> dict:
     """The ModuleList model through auto_accelerate with the pipeline training loop (its forward
     takes ``x``); every rank's losses."""

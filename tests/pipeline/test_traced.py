@@ -260,15 +260,40 @@ def test_traced_stage_programs_compute_the_model():
 
 
 def test_untraceable_or_unrunnable_programs_are_refused_with_the_fix():
+    from tests.pipeline.models import NoGradTableModel
+
+    reason = pipeline_eligibility(NoGradTableModel(), 2, {"input_ids": torch.randint(0, 16, (2, 6))})
+    assert "the program cut into stages does not run" in reason and "a layout" in reason
+    # control: the same model, its table outside no_grad, runs cut
+    runnable = NoGradTableModel()
+    runnable.table.forward = type(runnable.table).forward.__wrapped__.__get__(runnable.table)
+    assert pipeline_eligibility(runnable, 2, {"input_ids": torch.randint(0, 16, (2, 6))}) is None
+
+
+def test_a_wrapped_llama_is_traced_into_stages_equal_to_the_model_or_refused_with_the_fix():
+    import transformers
+    from packaging.version import Version
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from atorch.pipeline.partition import balanced_ranges
     from tests.pipeline.models import HiddenLayout
 
+    torch.manual_seed(0)
     lm = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
-    reason = pipeline_eligibility(HiddenLayout(lm), 2)
-    assert "the program cut into stages does not run" in reason and "a layout" in reason
-    assert pipeline_eligibility(lm, 2) is None  # the same model through its layout
+    assert pipeline_eligibility(lm, 2) is None  # through its layout
+    wrapped = HiddenLayout(lm)
+    reason = pipeline_eligibility(wrapped, 2)
+    if Version(transformers.__version__) < Version("5.24"):  # rotary_emb's forward ran under no_grad
+        assert "the program cut into stages does not run" in reason and "a layout" in reason
+        return
+    assert reason is None
+    ids = torch.randint(0, 64, (2, 8))
+    layout = layout_for(wrapped, ["input_ids"])
+    ranges = balanced_ranges(wrapped, layout.units, layout.layer_units, 2)
+    pipe = layout.trace((ids,), ranges)
+    first, last = (layout.bind(pipe, i, ranges, torch.device("cpu")) for i in range(2))
+    assert torch.equal(layout.model_output(last(*first(ids)), {}).logits, wrapped(ids).logits)
 
 
 def test_deallocate_pipeline_outputs_frees_sent_outputs_and_trains_the_same(traced_two_ranks):
