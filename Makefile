@@ -11,6 +11,9 @@ BIN := $(VENV)/bin
 #   make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_PIN ?= torch==2.13.0
 TORCH_INDEX ?=
+# constraints.txt pins the optional back-ends to the versions the suite last passed with;
+# CONSTRAINTS= installs the newest releases instead.
+CONSTRAINTS ?= constraints.txt
 
 .PHONY: setup example test clean
 
@@ -18,9 +21,9 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-$(VENV)/.installed: setup.py $(BIN)/python
+$(VENV)/.installed: setup.py $(CONSTRAINTS) $(BIN)/python
 	$(BIN)/pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH_PIN)
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev]" $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	touch $@
 
 setup: $(VENV)/.installed
