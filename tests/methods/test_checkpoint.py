@@ -36,6 +36,36 @@ def test_checkpoint_recomputes_blocks_with_identical_grads(config):
     assert applied.get("checkpoint").wrap_class  # auto-detected classes are still listed in the config
 
 
+def test_a_checkpointed_hugging_face_model_trains_without_its_kv_cache():
+    """A checkpointed layer's recompute would append its keys and values to the KV cache again,
+    so the cache grew by a layer's keys and values per block through backward."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from atorch.auto.search.peak import PeakMemory
+
+    def llama():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+    ids = torch.randint(0, 64, (2, 64))
+    plain = llama()
+    plain(input_ids=ids, labels=ids).loss.backward()
+    _, result, _ = auto_accelerate(llama(), load_strategy=["checkpoint"])
+    model = result.model
+    out = model(input_ids=ids, labels=ids)
+    assert out.past_key_values is None  # no cache with gradients on
+    with PeakMemory(model) as tracked:
+        model(input_ids=ids, labels=ids).loss.backward()
+    for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6), name
+    with PeakMemory(model) as cached:  # control: the cache asked for grows through the recomputes
+        model(input_ids=ids, labels=ids, use_cache=True).loss.backward()
+    assert cached.peak > 1.3 * tracked.peak, (cached.peak, tracked.peak)
+    with torch.no_grad():  # inference keeps the config's cache
+        assert model(input_ids=ids).past_key_values is not None
+
+
 def test_unknown_class_fails_before_anything_is_applied():
     model = TinyTransformer()
     forward = model.forward
