@@ -129,6 +129,10 @@ class MethodSpec:
     # False: the cost model's activation probe does not run this method's hooks on its copy of
     # the model (they need the process mesh or a GPU); its ``cost_term`` says what it changes.
     probed: bool = True
+    # ``(model) -> [module names]``: the units whose activations the cost model's probe records
+    # one by one (atorch.auto.search.timeline.UnitSpan, in ``StepCost.unit_spans``) for this
+    # method's ``cost_term``, e.g. the pieces a pipeline cuts the model into; [] when it has none.
+    probe_units: Callable[[Any], list[str]] | None = None
     # A layout method (it splits the model over parallel dims): ``(world_size) -> [(dims,
     # config), ...]``, the dims it takes (e.g. ``{"tensor": 2}``; data gets the remaining ranks)
     # with the config the search tries on them. Keep it short: the search combines each layout

@@ -17,7 +17,7 @@ from atorch.auto.registry import LayoutJob, MethodSpec, Stage, register_method
 from atorch.distributed import env
 from atorch.distributed.topology import DATA_PARALLEL_DIMS
 from atorch.errors import MethodConfigError, WorldSizeError
-from atorch.methods.pipeline_parallel import divisors, pipeline_ineligible, pipeline_terms
+from atorch.methods.pipeline_parallel import divisors, pipeline_ineligible, pipeline_terms, probe_units
 from atorch.methods.tensor_parallel import tensor_ineligible, tensor_terms
 from atorch.parallel_layers.auto_shard import ShardingError, shard_model
 from atorch.pipeline.auto import PipelineFields, check_fields, pipeline_model
@@ -123,5 +123,6 @@ register_method(
         ineligible=ineligible,
         cost_term=cost_term,
         probed=False,  # the stages need the process mesh; cost_term divides the model instead
+        probe_units=probe_units,
     )
 )

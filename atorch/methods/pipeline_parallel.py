@@ -91,6 +91,54 @@ def _boundary_width(model: torch.nn.Module, names: list[str]) -> int:
     return 0
 
 
+def probe_units(model: torch.nn.Module) -> list[str]:
+    """The units a pipeline cuts ``model`` into that hold parameters (the others, rotary tables and
+    masks, every stage recomputes)."""
+    layout = layout_for(model)
+    return [u for u in layout.units if any(True for _ in model.get_submodule(u).parameters())]
+
+
+def _in_flight(schedule: str, stage: int, stages: int, m: int) -> int:
+    """Microbatches stage ``stage`` has run forward and not yet backward at its worst: all of them
+    under GPipe; under 1F1B, one per stage from it to the last (the first stage the most)."""
+    return m if schedule == "gpipe" else min(m, stages - stage)
+
+
+def _stage_moments(spans, ranges: list[list[str]], stages: int, m: int, schedule: str) -> tuple | None:
+    """The worst moments of any pipeline rank, from the probe's unit spans (None without them), as
+    ``StepCost.activation_profile`` takes them: (activations as a share of the whole step's on the
+    same batch, share of the rank's gradients alive, share of autocast's weight copies alive: all,
+    as the whole schedule runs in one autocast region, which casts each weight once).
+
+    Each (virtual) stage keeps, per microbatch in flight, its units' ``kept`` share of a
+    microbatch; and, for the one microbatch it runs, the most its units had alive beyond the
+    earlier units' kept (a checkpointed block recomputed, the head's logits and loss). The probe
+    ran the whole batch; a microbatch is 1/m of it. With more microbatches than a rank holds, it
+    runs another forward after each backward: it holds them all while the gradients exist. Else
+    its first backward runs before any gradient exists, and the later ones with one fewer held."""
+    if not spans:
+        return None
+    order = {span.name: i for i, span in enumerate(spans)}
+    if any(not any(name in order for name in names) for names in ranges):
+        return None  # a stage none of whose units the probe saw: not the split it measured
+    moments = []
+    for rank in range(stages):
+        kept = extra = 0.0
+        for index in range(rank, len(ranges), stages):  # interleaved: stages r, r + p, ...
+            own = [spans[order[name]] for name in ranges[index] if name in order]
+            first = min(order[span.name] for span in own)
+            base = sum(span.kept for span in spans[:first])  # the earlier stages' microbatch
+            kept += sum(span.kept for span in own)
+            extra = max(extra, max(max(span.forward_peak, span.backward_peak) for span in own) - base
+                        - sum(span.kept for span in own))
+        flight = _in_flight(schedule, rank, stages, m)
+        if flight < m:
+            moments.append(((flight * kept + extra) / m, 1.0, 1.0))
+        else:
+            moments += [((flight * kept + extra) / m, 0.0, 1.0), (((flight - 1) * kept + extra) / m, 1.0, 1.0)]
+    return tuple(moments)
+
+
 def pipeline_terms(cost, config: PipelineFields, stages: int) -> None:
     """Memory and time of ``stages`` pipeline stages: a rank keeps its stages' share of the model;
     a schedule keeps some microbatches' activations in flight and idles (p-1)/(m v) of the time;
@@ -110,7 +158,11 @@ def pipeline_terms(cost, config: PipelineFields, stages: int) -> None:
     # The first stage holds the activations of every microbatch it has run forward and not yet
     # backward: all of them under GPipe, at most as many as stages under 1F1B.
     in_flight = m if config.schedule == "gpipe" else min(m, stages)
-    cost.activations *= share * in_flight / m
+    moments = _stage_moments(cost.unit_spans, ranges, stages, m, config.schedule)
+    if moments is None:  # no spans (meta tensors, a probe that did not see the units)
+        cost.activations *= share * in_flight / m
+    else:
+        cost.activation_profile = moments
     cost.compute_share *= share
     cost.op_share *= share * m  # each microbatch runs the rank's layers: m times their operators
     cost.bubble += (stages - 1) / (m * v)
@@ -141,5 +193,6 @@ register_method(
         ineligible=ineligible,
         cost_term=cost_term,
         probed=False,  # the stages need the process mesh; cost_term divides the model instead
+        probe_units=probe_units,
     )
 )

@@ -202,8 +202,8 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
     """(bytes saved for backward, number of checkpointed modules) of one forward of a copy; the
     forward's FLOPs, its operator count, then (on real tensors, with a loss) the step's
     activations at the end of forward and their profile over backward
-    (:mod:`atorch.auto.search.timeline`), then the tensors saved outside checkpoints are appended
-    to ``counts`` when given."""
+    (:mod:`atorch.auto.search.timeline`), then the tensors saved outside checkpoints and the
+    spans of the units the methods name (``probe_units``) are appended to ``counts`` when given."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from atorch.auto.context import ModelContext, move_to_device
@@ -229,6 +229,7 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
         if not on_meta:  # a plan on the meta device keeps its meta inputs
             batch = ctx.prepare_input(batch, device_ctx.device)
         timeline, forward_end, loss = StepTimeline(probe), 0, None
+        watched = [] if on_meta else timeline.watch(probe, _probe_units(probe))
         with timeline:
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), flop_counter, op_counter:
                 output = run_model(ctx.model, batch, model_input_format)
@@ -241,7 +242,9 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
                 loss.backward()
             else:
                 loss = None
-        profile = (0, ())
+        for handle in watched:
+            handle.remove()
+        profile, spans = (0, ()), ()
         if loss is not None and forward_end:
             grads = [p.grad for p in probe.parameters() if p.grad is not None]
             moments = timeline.moments(grads)
@@ -250,11 +253,12 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
             copies = max((m[2] for m in forward), default=0)
             grad_bytes = sum(g.untyped_storage().nbytes() for g in grads)
             profile = (reference, envelope([m[:3] for m in moments], grad_bytes, copies, reference))
+            spans = timeline.unit_spans(grads, forward_end, reference)
         del loss
     finally:  # a probe that raised is given back too
         free_copy(probe)
     if counts is not None:
-        counts.extend([flop_counter.get_total_flops(), op_counter.count, profile, counter.packed])
+        counts.extend([flop_counter.get_total_flops(), op_counter.count, profile, counter.packed, spans])
     saved = counter.by_dtype
     if on_meta:
         # Meta tensors show what a method does to shapes, not to dtypes (autocast does nothing on
@@ -264,6 +268,21 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
             if spec.activation_term is not None and any(stage in stages for stage in spec.hooks):
                 saved = spec.activation_term(config, saved)
     return sum(saved.values()), checkpointed
+
+
+def _probe_units(model: torch.nn.Module) -> list[str]:
+    """The modules whose spans a probe records: what the methods' ``probe_units`` name (a method
+    that cannot split this model names none)."""
+    from atorch.auto.registry import all_methods
+
+    names: list[str] = []
+    for spec in all_methods():
+        if spec.probe_units is not None:
+            try:
+                names += [n for n in spec.probe_units(model) if n not in names]
+            except Exception as error:  # noqa: BLE001 - a model the method cannot split
+                logger.debug("%s records no unit spans: %s", spec.name, error)
+    return names
 
 
 def batch_tokens(batch: Any) -> int:
@@ -330,13 +349,13 @@ def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, mod
     forward of a copy saves, plus, with checkpointing, one checkpointed block's activations
     recomputed during backward. The forward's FLOPs, its operator count, the profile of the
     activations and gradients over backward (``StepCost.activation_profile``; empty when not
-    measured), then the tensors saved through a checkpoint's hooks are appended to ``counts`` when
-    given; with a ``memo`` dict, probes the same as one
-    already run are not run again (:func:`_probe`)."""
+    measured), the tensors saved through a checkpoint's hooks, then the units' spans
+    (``StepCost.unit_spans``; empty when not measured) are appended to ``counts`` when given; with
+    a ``memo`` dict, probes the same as one already run are not run again (:func:`_probe`)."""
     counted: list = []
     saved, checkpointed = _probe(memo, model, strategy, batch, model_input_format, loss_func, device_ctx,
                                  PROBED_STAGES, counted)
-    flops, ops, (reference, profile), packed = counted
+    flops, ops, (reference, profile), packed, spans = counted
     hooked = 0
     if checkpointed:
         plain: list = []
@@ -351,7 +370,7 @@ def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, mod
     if profile:
         saved = reference
     if counts is not None:
-        counts.extend([flops, ops, profile, hooked])
+        counts.extend([flops, ops, profile, hooked, spans])
     return saved
 
 
@@ -409,6 +428,10 @@ class StepCost:
     # worst moments as (share of `activations`, share of `grads`, share of `copies`) alive; it
     # replaces backward_grad_share, a method's guess, when present
     activation_profile: tuple = ()
+    # measured by the same probe: the spans of the units the methods' ``probe_units`` name, in the
+    # order they ran (atorch.auto.search.timeline.UnitSpan); a pipeline's term builds its stages'
+    # activations from them
+    unit_spans: tuple = ()
     # what the methods did to the model, as shares and scales of the whole
     weight_scale: float = 1.0  # bytes per parameter relative to the model's own (half: 0.5)
     split: float = 1.0  # share of the parameters left on a rank by splitting layers (tensor)
@@ -566,7 +589,7 @@ class StepCost:
 def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int], state_factor: float,
                activations: int, forward_flops: float = 0.0, tokens: int = 0, device_type: str = "cpu",
                forward_ops: float = 0.0, optim_seconds_per_byte: float = 0.0,
-               activation_profile: tuple = (), checkpointed_saves: float = 0.0) -> StepCost:
+               activation_profile: tuple = (), checkpointed_saves: float = 0.0, unit_spans: tuple = ()) -> StepCost:
     """The candidate's :class:`StepCost`: the whole model's terms, then each method's ``cost_term``."""
     cost = StepCost(model, dict(dims), state_factor, device_type, forward_flops, tokens,
                     frozenset(absorbed_methods(strategy)),
@@ -583,6 +606,7 @@ def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int],
     cost.activations = activations
     cost.activation_profile = tuple(activation_profile)
     cost.checkpointed_saves = checkpointed_saves
+    cost.unit_spans = tuple(unit_spans)
     for name, config in strategy.items():
         term = get_method(name).cost_term
         if term is not None:

@@ -77,8 +77,8 @@ def cost_candidate(model, strategy, dims, state_factor, probe, device_type: str 
     other failure leaves the cost unknown: the dry run will meet the failure and record it
     properly. ``probe(strategy, counts, dims)`` returns activation bytes of one forward on a
     per-data-rank batch of the layout ``dims`` and its tokens, and appends its FLOPs (then, when
-    counted, its operator count, activation profile and tensors saved through checkpoints) to
-    ``counts``."""
+    counted, its operator count, activation profile, tensors saved through checkpoints and units'
+    spans) to ``counts``."""
     try:
         strategy = resolve_strategy(model, strategy)
     except AtorchConfigError as error:
@@ -86,11 +86,11 @@ def cost_candidate(model, strategy, dims, state_factor, probe, device_type: str 
     try:
         counts: list = []
         activations, tokens = probe(strategy, counts, dims)
-        # FLOPs, operators, activation profile, tensors through checkpoints; a probe may count only
-        # the FLOPs (atorch plan --search)
-        flops, ops, profile, hooked = counts + [0.0, 0.0, (), 0][len(counts):]
+        # FLOPs, operators, activation profile, tensors through checkpoints, units' spans; a probe
+        # may count only the FLOPs (atorch plan --search)
+        flops, ops, profile, hooked, spans = counts + [0.0, 0.0, (), 0, ()][len(counts):]
         return cost.build_cost(model, strategy, dims, state_factor, activations, flops, tokens, device_type, ops,
-                               optim_seconds_per_byte, profile, hooked), None
+                               optim_seconds_per_byte, profile, hooked, spans), None
     except Exception as error:  # noqa: BLE001
         logger.debug("no estimate for %s: %s", strategy.opt_names, error)
         return None, None
@@ -179,7 +179,7 @@ def search(
         with quiet():
             saved = cost.activation_bytes(model, strategy, batch, probe_ctx.model_input_format, probe_ctx.loss_func,
                                           device_ctx, counted, memo=probes)
-        flops, *rest = counted  # then the operators, the profile (shares) and the hooked tensors: per step
+        flops, *rest = counted  # then operators, profile and spans (shares), hooked tensors: per step
         counts.extend([flops * scale, *rest])
         return int(saved * scale), tokens
 

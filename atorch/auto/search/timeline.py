@@ -15,7 +15,17 @@ A candidate's peak over the step is then its worst moment: the activations, grad
 alive then, each scaled to what the candidate keeps on a rank (a sharding method divides the
 gradients, a layout the activations): :func:`envelope` keeps the moments that are the worst for
 some such scaling.
+
+A pipeline stage keeps its own units' activations, for several microbatches at once, which no
+scaling of the whole model's moments describes (the last stage's logits are no share of the
+first stage's blocks; a checkpointed stage recomputes one block per microbatch). So the timeline
+also marks when each of the units a pipeline splits the model into (``watch``) runs forward and
+backward, and :meth:`StepTimeline.unit_spans` tells what each keeps and the most alive while it
+runs: a stage's peak follows from its units' spans (atorch/methods/pipeline_parallel.py).
 """
+
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -25,6 +35,31 @@ from atorch.auto.search.peak import PeakMemory
 # coarser up to "gradients only" (a layout can divide the activations more than the gradients).
 _WEIGHTS = (*(i / 32 for i in range(33)), 1.5, 2.0, 3.0, 4.0, 8.0, 16.0, 1e6)
 _COPY_WEIGHTS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 1e6)  # the same for autocast's weight copies
+
+
+@dataclass(frozen=True)
+class UnitSpan:
+    """One unit of the probed step (a pipeline unit: an embedding, a block, the head), its bytes
+    as shares of the forward's activation peak: what it leaves alive from its forward's start to
+    the next unit's (``kept``: the tensors saved for backward, its output; the loss, after the last
+    unit), and the most activations alive while its forward and while its backward run (all
+    units', the earlier units' kept included)."""
+
+    name: str
+    kept: float
+    forward_peak: float
+    backward_peak: float
+
+
+def _first_tensor(value):
+    while not torch.is_tensor(value):
+        if isinstance(value, (tuple, list)) and value:
+            value = value[0]
+        elif isinstance(value, dict) and value:
+            value = next(iter(value.values()))
+        else:
+            return None
+    return value
 
 
 class StepTimeline(PeakMemory):
@@ -37,6 +72,9 @@ class StepTimeline(PeakMemory):
         self.events: list[tuple[int, int, bool]] = []  # (storage, bytes added or freed, new storage)
         self._last_new: dict[int, int] = {}  # storage -> index of the event that last allocated it
         self._copies: set[int] = set()  # events that allocated autocast's copy of a weight
+        # watched unit -> event index of its forward's start and end, and of its backward's start
+        # (its output's gradient computed)
+        self.marks: dict[str, dict[str, int]] = {}
 
     def _changed(self, key: int, size: int, new: bool = False) -> None:
         super()._changed(key, size, new)
@@ -58,22 +96,85 @@ class StepTimeline(PeakMemory):
                 self._copies.add(self._last_new[key])
         return out
 
-    def moments(self, grads: list[torch.Tensor]) -> list[tuple[int, int, int, int]]:
-        """(activation bytes, gradient bytes, weight-copy bytes, event index) alive at each moment
-        the live bytes peak locally (an allocation the next event does not undo); ``grads`` are
-        the parameters' gradients at the end of the step."""
+    def watch(self, model: torch.nn.Module, names: list[str]) -> list:
+        """Mark the forward and backward of each of ``model``'s submodules ``names`` (the first call
+        of each); returns the hooks' handles, to remove after the step."""
+        handles = []
+        for name in names:
+            module = model.get_submodule(name)
+            handles.append(module.register_forward_pre_hook(partial(self._forward_starts, name)))
+            handles.append(module.register_forward_hook(partial(self._forward_ends, name)))
+        return handles
+
+    def _forward_starts(self, name, module, args):
+        self.marks.setdefault(name, {}).setdefault("forward", len(self.events))
+
+    def _forward_ends(self, name, module, args, output):
+        marks = self.marks[name]
+        if "forward_end" in marks:
+            return
+        marks["forward_end"] = len(self.events)
+        tensor = _first_tensor(output)
+        if tensor is not None and tensor.requires_grad:
+            tensor.register_hook(partial(self._backward_starts, name))
+
+    def _backward_starts(self, name, grad):
+        self.marks[name].setdefault("backward", len(self.events))
+
+    def _alive(self, grads: list[torch.Tensor]):
+        """(activation bytes, gradient bytes, weight-copy bytes) alive after each event; ``grads``
+        are the parameters' gradients at the end of the step."""
         final = {self._last_new[k] for k in (g.untyped_storage()._cdata for g in grads) if k in self._last_new}
         kind: dict[int, int] = {}  # storage -> 0: activation, 1: gradient, 2: weight copy
         alive = [0, 0, 0]
-        out = []
         for index, (key, size, new) in enumerate(self.events):
             if new:
                 kind[key] = 2 if index in self._copies else 1 if index in final else 0
             if key in kind:  # else a tensor of the model, resized: not counted
                 alive[kind[key]] += size
+            yield tuple(alive)
+
+    def moments(self, grads: list[torch.Tensor]) -> list[tuple[int, int, int, int]]:
+        """(activation bytes, gradient bytes, weight-copy bytes, event index) alive at each moment
+        the live bytes peak locally (an allocation the next event does not undo); ``grads`` are
+        the parameters' gradients at the end of the step."""
+        out = []
+        for index, alive in enumerate(self._alive(grads)):
+            size = self.events[index][1]
             if size > 0 and (index + 1 == len(self.events) or self.events[index + 1][1] <= 0):
                 out.append((*alive, index))
         return out
+
+    def unit_spans(self, grads: list[torch.Tensor], forward_end: int, reference: int) -> tuple[UnitSpan, ...]:
+        """The watched units that ran, in the order their forwards ran, each with its
+        :class:`UnitSpan` as shares of ``reference`` bytes. A unit's forward lasts until the next
+        unit's starts (the last one's until ``forward_end``, the loss included; the first one's
+        from the step's start); its backward from its output's gradient (the last unit's from
+        ``forward_end``: the loss's backward) until the next backward that starts. A unit whose
+        output needs no gradient has its backward in the unit's before it."""
+        acts = [alive[0] for alive in self._alive(grads)]
+        ran = sorted((m["forward"], name) for name, m in self.marks.items() if "forward_end" in m)
+        if not ran or reference <= 0:
+            return ()
+
+        def before(index):  # activations alive before event `index`
+            return acts[index - 1] if index > 0 else 0
+
+        def most(start, end):
+            return max(acts[start:end], default=before(start))
+
+        starts = [0, *(start for start, _ in ran[1:]), forward_end]
+        backward = {name: self.marks[name].get("backward") for _, name in ran}
+        backward[ran[-1][1]] = forward_end
+        began = sorted(b for b in backward.values() if b is not None)
+        spans = []
+        for i, (_, name) in enumerate(ran):
+            begin, end = starts[i], starts[i + 1]
+            start = backward[name]
+            after = next((b for b in began if b > start), len(acts)) if start is not None else None
+            spans.append(UnitSpan(name, (before(end) - before(begin)) / reference, most(begin, end) / reference,
+                                  most(start, after) / reference if start is not None else 0.0))
+        return tuple(spans)
 
 
 def envelope(moments: list[tuple[int, int, int]], grad_total: int, copy_total: int,

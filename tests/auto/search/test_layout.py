@@ -221,8 +221,8 @@ def test_only_a_tensor_parallel_layout_fits_the_budget_and_it_trains_like_the_se
     assert_sensitive(losses, {"lr=0": _serial_losses(0.0)}, FP32_RTOL)
 
 
-# pipeline=2 with 4 microbatches is estimated at 1.40 MiB, under 2 MiB even if the estimate is
-# 1.25x low; with 2 microbatches at 1.97 MiB: near the budget, so it is dry-run and its measured
+# pipeline=2 with 4 microbatches is estimated at 1.59 MiB, under 2 MiB even if the estimate is
+# 1.25x low; with 2 microbatches at 1.80 MiB: near the budget, so it is dry-run and its measured
 # peak decides; data=2 as above.
 PIPELINE_BUDGET = "2MiB"
 
@@ -244,6 +244,9 @@ def test_only_a_pipeline_layout_fits_the_budget_and_it_trains_like_the_serial_mo
     pipelines = [c for c in report.candidates if c.layout.startswith("pipeline=2") and c.throughput is not None]
     assert {c.layout for c in pipelines} >= {"pipeline=2, microbatches=2", "pipeline=2, microbatches=4"}
     assert all(c.measured_peak_bytes for c in pipelines)
+    # a stage's activations from the probe's unit spans: estimated 0.96 of measured (2026-11-24)
+    assert all(0.9 <= c.estimated_peak_bytes / c.measured_peak_bytes <= 1.1 for c in pipelines), [
+        (c.layout, c.estimated_peak_bytes / c.measured_peak_bytes) for c in pipelines]
     assert winner.measured_peak_bytes <= cost.parse_bytes(PIPELINE_BUDGET)
     plain = next(c for c in report.candidates if c.layout == "data=2")
     assert plain.status == "pruned" and plain.pruned_by == "over_budget"

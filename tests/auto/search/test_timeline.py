@@ -73,3 +73,53 @@ def test_estimates_match_measured_peaks_with_checkpointing_and_amp():
     ratios = _ratios()
     assert len(ratios) == 4
     assert all(0.97 <= r <= 1.03 for r in ratios.values()), ratios
+
+
+def test_unit_spans_tell_what_each_unit_keeps_and_the_most_alive_while_it_runs():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256),
+                                torch.nn.Tanh(), torch.nn.Linear(256, 8))
+    timeline = StepTimeline(model)
+    handles = timeline.watch(model, ["2", "0", "4"])  # any order: spans follow the forward
+    with timeline:
+        loss = model(torch.randn(512, 256)).square().mean()
+        forward_end = len(timeline.events)
+        loss.backward()
+    for handle in handles:
+        handle.remove()
+    grads = [p.grad for p in model.parameters()]
+    reference = max(m[0] for m in timeline.moments(grads) if m[3] < forward_end)
+    spans = timeline.unit_spans(grads, forward_end, reference)
+    assert [s.name for s in spans] == ["0", "2", "4"]
+    hidden = 512 * 256 * 4 / reference  # one 512 x 256 fp32 tensor
+    # the first unit's span starts with the step: the input (saved by the first linear layer for
+    # its weight's gradient) and the tanh's output (saved by the tanh and the next linear layer)
+    assert spans[0].kept == pytest.approx(2 * hidden) and spans[1].kept == pytest.approx(hidden)
+    assert spans[2].kept < 0.05 and sum(s.kept for s in spans) <= 1.0
+    # while a unit runs, the earlier units' kept tensors are alive too; its backward adds gradients
+    assert spans[1].forward_peak >= spans[0].kept + spans[1].kept
+    assert all(s.backward_peak > 0 for s in spans)
+    assert timeline.unit_spans(grads, forward_end, 0) == ()
+
+
+def test_a_pipeline_stage_keeps_its_units_for_each_microbatch_in_flight():
+    from atorch.auto.search.timeline import UnitSpan
+    from atorch.methods.pipeline_parallel import _stage_moments
+
+    def moments(*args):
+        return [pytest.approx(moment) for moment in _stage_moments(spans, ranges, *args)]
+
+    spans = (UnitSpan("a", 0.2, 0.2, 0.3), UnitSpan("b", 0.3, 0.5, 0.6), UnitSpan("c", 0.5, 1.0, 1.1))
+    ranges = [["a"], ["b", "c"]]
+    # 1F1B, 2 microbatches: stage 0 holds both (2 x 0.2, plus 0.1 more while one runs) before any
+    # gradient exists, then one with the gradients; the last stage holds 1 (its 0.8, plus 0.1
+    # beyond the first stage's 0.2) and, running another forward after it, has the gradients
+    first, then = ((2 * 0.2 + 0.1) / 2, 0.0, 1.0), ((0.2 + 0.1) / 2, 1.0, 1.0)
+    assert moments(2, 2, "1f1b") == [first, then, ((0.8 + 0.1) / 2, 1.0, 1.0)]
+    # GPipe: every stage holds every microbatch
+    last = ((2 * 0.8 + 0.1) / 2, 0.0, 1.0), ((0.8 + 0.1) / 2, 1.0, 1.0)
+    assert moments(2, 2, "gpipe") == [first, then, *last]
+    # 4 microbatches under 1F1B: the first stage holds 2, each a quarter of the batch, with the gradients
+    assert moments(2, 4, "1f1b") == [((2 * 0.2 + 0.1) / 4, 1.0, 1.0), ((0.8 + 0.1) / 4, 1.0, 1.0)]
+    assert _stage_moments((), ranges, 2, 2, "1f1b") is None
+    assert _stage_moments(spans, [["a"], ["x"]], 2, 2, "1f1b") is None  # not the split the probe saw
