@@ -72,7 +72,8 @@ def apply_checkpoint(ctx: ModelContext, config: CheckpointConfig) -> None:
     for _, module in matched:
         module.forward = CheckpointedForward(module.forward, use_reentrant=not config.no_reentrant)
     logger.info("checkpoint: %d modules of %s checkpointed", len(matched), targets)
-    if "use_cache" in inspect.signature(ctx.model.forward).parameters:
+    # the class's forward: amp (and others) wrap the instance's in one taking **kwargs
+    if "use_cache" in inspect.signature(type(ctx.model).forward).parameters:
         ctx.model.register_forward_pre_hook(_no_kv_cache_in_training, with_kwargs=True)
 
 

@@ -36,9 +36,11 @@ def test_checkpoint_recomputes_blocks_with_identical_grads(config):
     assert applied.get("checkpoint").wrap_class  # auto-detected classes are still listed in the config
 
 
-def test_a_checkpointed_hugging_face_model_trains_without_its_kv_cache():
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "under-amp"])
+def test_a_checkpointed_hugging_face_model_trains_without_its_kv_cache(amp):
     """A checkpointed layer's recompute would append its keys and values to the KV cache again,
-    so the cache grew by a layer's keys and values per block through backward."""
+    so the cache grew by a layer's keys and values per block through backward. Under amp, whose
+    wrapper hides the forward's arguments, too."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from atorch.auto.search.peak import PeakMemory
@@ -49,9 +51,11 @@ def test_a_checkpointed_hugging_face_model_trains_without_its_kv_cache():
                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
 
     ids = torch.randint(0, 64, (2, 64))
-    plain = llama()
+    amp_method = [("amp_native", "bf16")] if amp else []
+    _, result, _ = auto_accelerate(llama(), load_strategy=amp_method)
+    plain = result.model
     plain(input_ids=ids, labels=ids).loss.backward()
-    _, result, _ = auto_accelerate(llama(), load_strategy=["checkpoint"])
+    _, result, _ = auto_accelerate(llama(), load_strategy=[*amp_method, "checkpoint"])
     model = result.model
     out = model(input_ids=ids, labels=ids)
     assert out.past_key_values is None  # no cache with gradients on
