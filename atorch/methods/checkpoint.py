@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from pydantic import Field, model_validator
+from torch.utils._pytree import tree_leaves
 
 from atorch.auto.config_types import ClassRef, MethodConfig, as_list, class_name
 from atorch.auto.context import ModelContext
@@ -83,10 +84,15 @@ def _no_kv_cache_in_training(module, args, kwargs):
     by a layer's keys and values per block through backward (benchmarks/search_quality.py's
     deep-narrow Llama, 16 checkpointed blocks: a 2.4x higher activation peak). With gradients on,
     the forward runs with ``use_cache=False`` unless the caller passes it, as Hugging Face's own
-    gradient checkpointing does."""
-    if torch.is_grad_enabled() and "use_cache" not in kwargs:
+    gradient checkpointing does. On meta tensors (``atorch plan``'s probe: no backward, so no
+    recompute) the cache stays: without one, the model's mask code reads tensor values."""
+    if torch.is_grad_enabled() and "use_cache" not in kwargs and not _on_meta((args, kwargs)):
         return args, {**kwargs, "use_cache": False}
     return None
+
+
+def _on_meta(inputs) -> bool:
+    return any(t.is_meta for t in tree_leaves(inputs) if isinstance(t, torch.Tensor))
 
 
 # Estimated / measured peak of checkpoint candidates, lowest seen, with a margin, where the probe
