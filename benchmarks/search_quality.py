@@ -265,21 +265,34 @@ def run(names: list[str], tiny: bool, repeats: int, steps: int, report_dir: str)
     return out
 
 
+def peak_ratios(exhaustive: list[dict]) -> str:
+    """Estimated / measured peak over the exhaustive run's measured candidates: the range, and
+    how many lie within 0.9-1.1 (the cost model's goal)."""
+    ratios = [c["estimated_peak_bytes"] / c["measured_peak_bytes"] for c in exhaustive
+              if c.get("estimated_peak_bytes") and c.get("measured_peak_bytes")]
+    if not ratios:
+        return "-"
+    within = sum(0.9 <= r <= 1.1 for r in ratios)
+    return f"{min(ratios):.2f}-{max(ratios):.2f} ({within}/{len(ratios)} in 0.9-1.1)"
+
+
 def report(results: dict, nproc: int, out: str, plot: str | None) -> str:
     body = []
     for name, r in results.items():
         budget = "none" if r["budget"] is None else f"{r['budget'] / MIB:.2f} MiB"
         space = f"{r['candidates']} ({r['dry_run']} distinct)"
+        peaks = peak_ratios(r["exhaustive"])
         if r["best"] is None:
-            body.append([name, budget, space, "-", "-", r["note"], "-", f"{r['exhaustive_seconds']:.0f}", "-", "-"])
+            body.append([name, budget, space, "-", "-", r["note"], "-", f"{r['exhaustive_seconds']:.0f}", "-", "-",
+                         peaks])
             continue
         picked = "(none)" if r["picked"] is None else _label(r["picked"], nproc)
         body.append([name, budget, space, picked, _label(r["best"], nproc), f"{r['throughput_ratio']:.3f}",
                      f"{r['search_seconds']:.0f}", f"{r['exhaustive_seconds']:.0f}",
-                     f"{r['search_seconds'] / r['exhaustive_seconds']:.2f}", r["fits"]])
+                     f"{r['search_seconds'] / r['exhaustive_seconds']:.2f}", r["fits"], peaks])
     markdown = harness.table(["scenario", "budget/rank", "candidates", "search picked", "exhaustive best",
                               "picked/best throughput", "search s", "exhaustive s", "search/exhaustive time",
-                              "fits"], body)
+                              "fits", "estimated/measured peak"], body)
     harness.write(out, {"nproc": nproc, "scenarios": results}, markdown)
     if plot:
         done = {name: r for name, r in results.items() if r["best"] is not None}
