@@ -23,15 +23,6 @@ class DeviceContext:
         return self.device.type
 
     @property
-    def ranks_per_core(self) -> float:
-        """How many compute threads of this node's ranks share each CPU core it may use (at least
-        1; 1 off the CPU): 4 single-threaded ranks on 2 cores share each core by 2."""
-        if self.device.type != "cpu":
-            return 1.0
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return max(1.0, self.local_world_size * torch.get_num_threads() / cores)
-
-    @property
     def distributed(self) -> bool:
         return self.world_size > 1
 

@@ -451,10 +451,6 @@ class StepCost:
     # work around it
     sync_in_hooks: bool = False
     bubble: float = 0.0  # idle time of a pipeline schedule, as a fraction of the compute
-    # ranks' compute threads per CPU core (DeviceContext.ranks_per_core): where ranks share cores,
-    # a pipeline stage that idles gives its core to the others, and a step takes at least the
-    # compute at the shared rate
-    ranks_per_core: float = 1.0
     # bytes moved over the data-parallel group per step, as multiples of the rank's model piece's
     # parameter and gradient bytes ({"grads": 2}: an all-reduce); a ring over n ranks moves
     # (n-1)/n of that per rank
@@ -516,10 +512,10 @@ class StepCost:
                               self.forward_flops, math.ceil(grads), math.ceil(buckets))
 
     def seconds(self) -> float:
-        """compute (x the pipeline bubble, less where ranks share cores) + communication not
-        overlapped with it + the optimizer's step over what this rank steps, at nominal rates, or
-        at the rates of ``profile`` when one is set (each collective at its own rate, and one
-        latency per collective of the data-parallel sync: ``sync_calls``). Of a data-sync collective the method issues early
+        """compute (x the pipeline bubble) + communication not overlapped with it + the optimizer's
+        step over what this rank steps, at nominal rates, or at the rates of ``profile`` when one
+        is set (each collective at its own rate, and one latency per collective of the
+        data-parallel sync: ``sync_calls``). Of a data-sync collective the method issues early
         (``sync_overlap``), the profile's ``overlap`` share hides behind the compute of its passes,
         up to that compute; nominal rates hide none."""
         if self.profile is None:
@@ -565,11 +561,7 @@ class StepCost:
             if self.size(c.dim) > 1:
                 bandwidth, latency = self._link((c.dim,), c.kind)
                 comm += c.elements * element * c.factor / bandwidth + c.messages * latency
-        # the bubble idles a rank; where k ranks share each core, the others run up to k times
-        # faster meanwhile: the step is the longer of the compute at the shared rate and the
-        # pipeline's critical path at the full one (4 stages on 2 cores: a bubble of 3/4 is free)
-        stretch = max(1.0, (1 + self.bubble) / self.ranks_per_core)
-        return compute * stretch + comm + self.stepped * self.optim_seconds_per_byte
+        return compute * (1 + self.bubble) + comm + self.stepped * self.optim_seconds_per_byte
 
     def _calls(self, kind: str, payload: float) -> float:
         """Collectives of ``kind`` in the data-parallel sync of ``payload`` bytes (the gradients

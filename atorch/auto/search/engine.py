@@ -154,7 +154,6 @@ def search(
                                                             device_ctx.device))
     # This machine's calibrated rates when `atorch calibrate` has measured them, nominal otherwise.
     rates, report.rates = cached_rates(device_ctx.device, device_ctx.world_size)
-    ranks_per_core = from_rank0(device_ctx.ranks_per_core)
     micro_batches: dict[int, object] = {}  # per data-parallel size: the batch one data rank gets
 
     probes: dict = {}  # cost._probe's memo: one forward per distinct probe (micro_batches keeps the batches)
@@ -216,7 +215,7 @@ def search(
         estimate, reason = cost_candidate(model, strategy, dims, state_factor, probe, device_ctx.device.type,
                                           optim_rate)
         if estimate is not None:
-            estimate.profile, estimate.ranks_per_core = rates, ranks_per_core
+            estimate.profile = rates
         # Decisions use agreed values only, so every rank prunes and runs the same candidates.
         result = CandidateResult(strategy.to_dict(), reason=from_rank0(reason), layout=text)
         if result.reason is not None:
