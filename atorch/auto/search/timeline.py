@@ -151,7 +151,8 @@ class StepTimeline(PeakMemory):
         unit's starts (the last one's until ``forward_end``, the loss included; the first one's
         from the step's start); its backward from its output's gradient (the last unit's from
         ``forward_end``: the loss's backward) until the next backward that starts. A unit whose
-        output needs no gradient has its backward in the unit's before it."""
+        output needs no gradient has no backward of its own: what it does in backward falls in
+        the span of the unit after it, whose backward runs just before."""
         acts = [alive[0] for alive in self._alive(grads)]
         ran = sorted((m["forward"], name) for name, m in self.marks.items() if "forward_end" in m)
         if not ran or reference <= 0:
