@@ -125,7 +125,7 @@ def _candidate_rows(model, args, assumptions, memory) -> list:
             continue
         terms = {"params": est.params, "grads": est.grads, "optim_state": est.optim_state, "gathered": est.gathered,
                  "activations": est.activations, "step_temp": est.step_temp, "backward_grads": est.backward_grads,
-                 "buckets": est.buckets}
+                 "buckets": est.buckets, "reduce_temp": est.reduce_temp}
         if assumptions.accounting == "deepspeed":
             sharding = next((s for s in ("zero1", "zero2", "fsdp") if s in strategy.opt_names), None)
             terms.update(model_states(model, sharding, args.world_size, assumptions))
@@ -141,7 +141,7 @@ def _peak(terms: dict) -> int:
     # gathered weights live in forward and backward only.
     return (terms["params"] + terms["optim_state"] + terms.get("buckets", 0)
             + max(terms["gathered"] + terms["activations"] + terms.get("backward_grads", 0),
-                  terms["grads"] + terms.get("step_temp", 0)))
+                  terms["grads"] + terms.get("step_temp", 0), terms["grads"] + terms.get("reduce_temp", 0)))
 
 
 def _print_table(rows, with_activations: bool, memory: int) -> None:

@@ -88,11 +88,16 @@ class MemoryEstimate:
     # late into backward, where most gradients exist; without it the peak is at the end of forward)
     backward_grads: int = 0
     buckets: int = 0  # DDP's gradient buckets, alive all the time
+    # alive with the gradients while a sharded unit's gradients are reduced at the end of its
+    # backward, most activations freed (FSDP2 under amp: the unit's gradients in the compute
+    # dtype and their copy in the reduce dtype)
+    reduce_temp: int = 0
 
     @property
     def total(self) -> int:
         return (self.params + self.optim_state + self.buckets
-                + max(self.gathered + self.activations + self.backward_grads, self.grads + self.step_temp))
+                + max(self.gathered + self.activations + self.backward_grads, self.grads + self.step_temp,
+                      self.grads + self.reduce_temp))
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -414,6 +419,7 @@ class StepCost:
     optim_state: float = 0.0
     step_temp: float = 0.0
     gathered: float = 0.0
+    reduce_temp: float = 0.0  # see MemoryEstimate.reduce_temp
     # the lowest estimated / measured peak seen for such candidates, when below ESTIMATE_RATIO's
     # (a method whose memory the model under-counts lowers it: see candidate_ratio)
     estimate_low: float | None = None
@@ -509,7 +515,7 @@ class StepCost:
         buckets = self.grads if self.grad_buckets and self.dp_size > 1 else 0
         return MemoryEstimate(math.ceil(self.params), math.ceil(self.grads), math.ceil(self.optim_state),
                               math.ceil(self.gathered + copies), int(acts), math.ceil(self.step_temp),
-                              self.forward_flops, math.ceil(grads), math.ceil(buckets))
+                              self.forward_flops, math.ceil(grads), math.ceil(buckets), math.ceil(self.reduce_temp))
 
     def seconds(self) -> float:
         """compute (x the pipeline bubble) + communication not overlapped with it + the optimizer's

@@ -52,6 +52,10 @@ def test_zero2_on_fsdp2_counts_shards_whole_units_and_their_gradients():
     assert zero2.params == whole / 2 + whole and zero2.gathered == whole and zero2.grads == whole / 2
     amp = estimate_memory(model, Strategy([("amp_native", "bf16"), "zero2"]), 2, 2.0, 0)
     assert amp.params == whole / 2 + whole / 2 and amp.gathered == whole / 2  # gathered in bf16
+    # at the unit's reduce-scatter its bf16 gradients and their fp32 copy exist at once, with
+    # the activations mostly gone: a moment of its own, which no activations change
+    assert zero2.reduce_temp == 0 and amp.reduce_temp == whole / 2 + whole
+    assert amp.total == amp.params + amp.optim_state + amp.grads + amp.reduce_temp
     # DeepSpeed's ZeRO-2 keeps whole parameters and no units
     ds = estimate_memory(model, Strategy([("zero2", {"use_ds_zero": True})]), 2, 2.0, 0)
     assert ds.params == whole and ds.gathered == 0
