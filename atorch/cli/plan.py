@@ -136,12 +136,10 @@ def _candidate_rows(model, args, assumptions, memory) -> list:
 
 
 def _peak(terms: dict) -> int:
-    # As cost.MemoryEstimate.total: gradients are freed before forward, so they share a term with
-    # the activations (except those alive at a checkpointed model's peak, late in backward), and
-    # gathered weights live in forward and backward only.
-    return (terms["params"] + terms["optim_state"] + terms.get("buckets", 0)
-            + max(terms["gathered"] + terms["activations"] + terms.get("backward_grads", 0),
-                  terms["grads"] + terms.get("step_temp", 0), terms["grads"] + terms.get("reduce_temp", 0)))
+    """The row's peak, by cost.MemoryEstimate.total's formula over its (possibly re-accounted) terms."""
+    from atorch.auto.search.cost import MemoryEstimate
+
+    return MemoryEstimate(**terms).total
 
 
 def _print_table(rows, with_activations: bool, memory: int) -> None:

@@ -128,9 +128,9 @@ def _stage_moments(spans, ranges: list[list[str]], stages: int, m: int, schedule
             own = [spans[order[name]] for name in ranges[index] if name in order]
             first = min(order[span.name] for span in own)
             base = sum(span.kept for span in spans[:first])  # the earlier stages' microbatch
-            kept += sum(span.kept for span in own)
-            extra = max(extra, max(max(span.forward_peak, span.backward_peak) for span in own) - base
-                        - sum(span.kept for span in own))
+            stage_kept = sum(span.kept for span in own)
+            kept += stage_kept
+            extra = max(extra, max(max(span.forward_peak, span.backward_peak) for span in own) - base - stage_kept)
         flight = _in_flight(schedule, rank, stages, m)
         if flight < m:
             moments.append(((flight * kept + extra) / m, 1.0, 1.0))
@@ -155,12 +155,10 @@ def pipeline_terms(cost, config: PipelineFields, stages: int) -> None:
     cost.split_model(share)
     cost.stage_share *= share
     m, v = config.num_microbatches, config.virtual_pipeline_size
-    # The first stage holds the activations of every microbatch it has run forward and not yet
-    # backward: all of them under GPipe, at most as many as stages under 1F1B.
-    in_flight = m if config.schedule == "gpipe" else min(m, stages)
     moments = _stage_moments(cost.unit_spans, ranges, stages, m, config.schedule)
-    if moments is None:  # no spans (meta tensors, a probe that did not see the units)
-        cost.activations *= share * in_flight / m
+    if moments is None:  # no spans (meta tensors, a probe that did not see the units): the first
+        # stage's microbatches in flight, each with the rank's share of the activations
+        cost.activations *= share * _in_flight(config.schedule, 0, stages, m) / m
     else:
         cost.activation_profile = moments
     cost.compute_share *= share
