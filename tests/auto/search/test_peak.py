@@ -120,3 +120,33 @@ def test_a_dry_run_does_not_count_the_dataset_its_batch_views():
     (candidate,) = report.candidates
     assert candidate.measured_peak_bytes is not None
     assert candidate.measured_peak_bytes < MIB  # the model and a batch of 8: about 0.3 MiB
+
+
+class _EveryOtherStep(torch.nn.Module):
+    """Keeps a 2 MiB tensor for its backward on every other forward, as a step whose collective
+    buffer the backend's thread frees late keeps one more buffer than the step before."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 64)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.linear(x)
+        if self.calls % 2:
+            out = out * torch.ones(2 * MIB // 4, requires_grad=True)[: out.shape[-1]].expand_as(out)
+        return out
+
+
+def test_a_dry_run_counts_the_highest_peak_of_the_steps_it_tracks():
+    # One tracked step saw the big step or the small one by the parity of the steps before it.
+    from atorch.auto.search import dryrun, measure
+
+    assert dryrun.PEAK_STEPS >= 2
+    for timed_steps in (1, 2):
+        report = measure(_EveryOtherStep(), [[]], torch.optim.SGD, torch.randn(16, 64),
+                         lambda batch, out: out.square().mean(), dataloader_args={"batch_size": 8},
+                         timed_steps=timed_steps)
+        (candidate,) = report.candidates
+        assert candidate.measured_peak_bytes > 2 * MIB, timed_steps
