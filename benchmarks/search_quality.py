@@ -227,7 +227,7 @@ def scenario(name: str, size: Size, spec: Scenario, repeats: int, steps: int, re
 
     def remeasure(strategy):
         with quiet():
-            report = measure(build_llama(size), [strategy], torch.optim.AdamW, Tokens(size), loss_func,
+            report = measure(build_llama(size), [Strategy.from_data(strategy)], torch.optim.AdamW, Tokens(size), loss_func,
                              timed_steps=1, warmup_steps=1, max_dryruns=1, **job)
         return report.candidates[0].measured_peak_bytes
 
