@@ -18,7 +18,7 @@ from atorch.distributed import env
 from atorch.distributed.topology import DATA_PARALLEL_DIMS
 from atorch.errors import MethodConfigError, WorldSizeError
 from atorch.methods.pipeline_parallel import divisors, pipeline_ineligible, pipeline_terms, probe_units
-from atorch.methods.tensor_parallel import tensor_ineligible, tensor_terms
+from atorch.methods.tensor_parallel import tensor_activations, tensor_ineligible, tensor_terms
 from atorch.parallel_layers.auto_shard import ShardingError, shard_model
 from atorch.pipeline.auto import PipelineFields, check_fields, pipeline_model
 from atorch.pipeline.layouts import layout_for
@@ -98,9 +98,11 @@ def ineligible(model: torch.nn.Module, config: MixedParallelConfig, job: LayoutJ
 
 
 def cost_term(config: MixedParallelConfig, cost) -> None:
-    # Stages first: the tensor term's communication counts only the rank's own stage's layers.
+    # A tensor rank's unit spans first, from which the stages build their moments; then the stages,
+    # as the tensor term's communication counts only the rank's own stage's layers.
+    tensor_activations(cost, cost.size("tensor"))
     pipeline_terms(cost, config, cost.size("pipeline"))
-    tensor_terms(cost, cost.size("tensor"))
+    tensor_terms(cost, cost.size("tensor"), activations=False)
 
 
 register_method(

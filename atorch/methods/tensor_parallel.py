@@ -131,23 +131,89 @@ def ineligible(model, config: TensorParallelConfig, job: LayoutJob) -> str | Non
 REPLICATED_ACTIVATIONS = 10 / 34
 
 
-def tensor_terms(cost, tensor: int, sequence_parallel: bool = False) -> None:
+def _blocks(spans, plan: list[tuple[str, str]]) -> list[bool]:
+    """Which units hold layers the algorithm splits (the blocks)."""
+    split = [name for name, how in plan if how.startswith(_SPLITS) and how != "column_gather"]
+    return [any(name.startswith(span.name + ".") for name in split) for span in spans]
+
+
+def _split_spans(spans, blocks: list[bool], inside: float, checkpointed: bool) -> tuple:
+    """The probe's unit spans as one tensor rank sees them. A block keeps ``inside`` of what it
+    kept, or all of it when checkpointed (a checkpointed block keeps its input, which the
+    algorithm does not split); what it has alive beyond the earlier units' kept while it runs is
+    ``inside`` too. The other units (the embedding, the norm, the head with its gathered logits
+    and the loss) keep and run whole on every rank."""
+    from dataclasses import replace
+
+    base = rank_base = 0.0
+    out = []
+    for span, block in zip(spans, blocks):
+        keep = 1.0 if not block or checkpointed else inside
+        move = inside if block else 1.0
+        out.append(replace(span, kept=keep * span.kept,
+                           forward_peak=rank_base + move * max(span.forward_peak - base, 0.0),
+                           backward_peak=rank_base + move * max(span.backward_peak - base, 0.0)
+                           if span.backward_peak else 0.0))
+        base += span.kept
+        rank_base += keep * span.kept
+    return tuple(out)
+
+
+def _span_moments(spans, blocks: list[bool], model, checkpointed: bool) -> tuple:
+    """The step's worst moments from unit spans, as ``StepCost.activation_profile`` takes them,
+    with the gradients and autocast's weight copies alive at each, by the units' parameters. In
+    a unit's forward: no gradient; the copies of it and the units before it (autocast keeps them
+    to the forward's end). In its backward: the gradients of it and the units after it; the copies
+    its and the earlier units' saved tensors hold (a checkpointed block's only while it is
+    recomputed)."""
+    params = [sum(p.numel() for p in model.get_submodule(span.name).parameters()) for span in spans]
+    total = max(sum(p.numel() for p in model.parameters()), 1)
+    moments = []
+    for i, span in enumerate(spans):
+        moments.append((span.forward_peak, 0.0, min(sum(params[:i + 1]) / total, 1.0)))
+        if span.backward_peak:
+            held = sum(params[j] for j in range(i) if not (checkpointed and blocks[j])) + params[i]
+            moments.append((span.backward_peak, min(sum(params[i:]) / total, 1.0), min(held / total, 1.0)))
+    return tuple(moments)
+
+
+def tensor_activations(cost, tensor: int, sequence_parallel: bool = False) -> None:
+    """Activations a rank has under the 1d algorithm over ``tensor`` ranks. With the probe's unit
+    spans, block by block (``_split_spans``): the blocks' share inside the split regions divides,
+    a checkpointed block's kept input and everything outside the blocks do not. Without them (meta
+    tensors, a model the probe cannot cut into units), the whole step's activations scale by the
+    replicated share plus the rest divided."""
+    if tensor <= 1:
+        return
+    replicated = 0.0 if sequence_parallel else REPLICATED_ACTIVATIONS
+    inside = replicated + (1 - replicated) / tensor
+    if not cost.unit_spans:
+        cost.activations *= inside
+        return
+    checkpointed = cost.checkpointed_saves > 0
+    blocks = _blocks(cost.unit_spans, plan_shards(cost.model, tensor))
+    cost.unit_spans = _split_spans(cost.unit_spans, blocks, inside, checkpointed)
+    cost.activation_profile = _span_moments(cost.unit_spans, blocks, cost.model, checkpointed)
+
+
+def tensor_terms(cost, tensor: int, sequence_parallel: bool = False, activations: bool = True) -> None:
     """Memory and time of the 1d algorithm over ``tensor`` ranks: the split layers' weights and
-    the activations inside them divide; each row-parallel layer all-reduces its output in forward
+    the activations inside them divide (``tensor_activations``, unless ``activations`` is False:
+    a caller that applied them itself); each row-parallel layer all-reduces its output in forward
     and its column partner's input gradient in backward (not overlapped); the vocabulary-split
     embedding all-reduces its output and the head gathers its logits."""
     from atorch.auto.search.cost import Comm
 
     if tensor <= 1:
         return
+    if activations:
+        tensor_activations(cost, tensor, sequence_parallel)
     plan = plan_shards(cost.model, tensor)
     modules = dict(cost.model.named_modules())
     split = sum(p.numel() * p.element_size() for name, _ in plan for p in modules[name].parameters())
     share = 1 - split / max(cost.param_bytes(), 1) * (1 - 1 / tensor)
     cost.split_model(share)
     cost.split *= share
-    replicated = 0.0 if sequence_parallel else REPLICATED_ACTIVATIONS
-    cost.activations *= replicated + (1 - replicated) / tensor
     cost.compute_share *= share
     widths, messages = 0, 0
     for name, how in plan:
