@@ -123,3 +123,36 @@ def test_a_pipeline_stage_keeps_its_units_for_each_microbatch_in_flight():
     assert moments(2, 4, "1f1b") == [((2 * 0.2 + 0.1) / 4, 1.0, 1.0), ((0.8 + 0.1) / 4, 1.0, 1.0)]
     assert _stage_moments((), ranges, 2, 2, "1f1b") is None
     assert _stage_moments(spans, [["a"], ["x"]], 2, 2, "1f1b") is None  # not the split the probe saw
+
+
+def test_a_tensor_rank_splits_only_what_lies_inside_the_blocks():
+    from atorch.auto.search.timeline import UnitSpan
+    from atorch.methods.tensor_parallel import _span_moments, _split_spans
+
+    # embedding, two blocks, head (with the loss)
+    spans = (UnitSpan("e", 0.1, 0.1, 0.15), UnitSpan("b0", 0.2, 0.5, 0.6), UnitSpan("b1", 0.2, 0.7, 0.8),
+             UnitSpan("h", 0.3, 1.0, 0.9))
+    blocks = [False, True, True, False]
+    inside = 0.5
+    split = _split_spans(spans, blocks, inside, checkpointed=False)
+    # a block keeps `inside` of what it kept; the embedding and the head keep all of theirs
+    assert [s.kept for s in split] == pytest.approx([0.1, 0.1, 0.1, 0.3])
+    # what a unit has alive beyond the earlier units' kept: `inside` of it in a block, all of it
+    # outside: b1 ran with 0.4 over the 0.3 kept before it; split, 0.2 over 0.2
+    assert [s.forward_peak for s in split] == pytest.approx([0.1, 0.1 + 0.2, 0.2 + 0.2, 0.3 + 0.5])
+    assert [s.backward_peak for s in split] == pytest.approx([0.15, 0.1 + 0.25, 0.2 + 0.25, 0.3 + 0.4])
+    # checkpointed: a block keeps its input, which is not split
+    kept = _split_spans(spans, blocks, inside, checkpointed=True)
+    assert [s.kept for s in kept] == pytest.approx([0.1, 0.2, 0.2, 0.3])
+    assert kept[3].forward_peak == pytest.approx(0.5 + 0.5)
+
+    # moments: each unit's forward (no gradient, the copies cast so far) and backward (its and the
+    # later units' gradients; the copies its and earlier units' saved tensors hold)
+    model = torch.nn.ModuleDict({"e": torch.nn.Linear(1, 1, bias=False), "b0": torch.nn.Linear(2, 1, bias=False),
+                                 "b1": torch.nn.Linear(3, 1, bias=False), "h": torch.nn.Linear(4, 1, bias=False)})
+    moments = _span_moments(split, blocks, model, checkpointed=False)
+    assert moments[0] == pytest.approx((0.1, 0.0, 0.1)) and moments[1] == pytest.approx((0.15, 1.0, 0.1))
+    assert moments[-1] == pytest.approx((0.7, 0.4, 1.0))
+    # a checkpointed block's copies are not held after its recompute
+    moments = _span_moments(kept, blocks, model, checkpointed=True)
+    assert moments[-1][2] == pytest.approx((1 + 4) / 10)
