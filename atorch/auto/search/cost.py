@@ -425,6 +425,10 @@ class StepCost:
     estimate_low: float | None = None
     # share of the gradients alive at the activation peak (see MemoryEstimate.backward_grads)
     backward_grad_share: float = 0.0
+    # gradients alive at every moment of backward beside the rank's own (a moment whose gradient
+    # share is above 0): FSDP2's unsharded gradients of the unit whose backward runs and of the
+    # one being reduced; counted in MemoryEstimate.backward_grads
+    unit_grads: float = 0.0
     activations: float = 0.0
     grad_buckets: bool = False  # DDP keeps a copy of the rank's gradients in its buckets
     # autocast's low-precision copies of the weights a rank computes with, alive in forward and
@@ -510,8 +514,8 @@ class StepCost:
 
     def memory(self) -> "MemoryEstimate":
         moments = self.activation_profile or ((1.0, self.backward_grad_share, 1.0),)
-        acts, grads, copies = max(((self.activations * a, self.grads * g, self.copies * c) for a, g, c in moments),
-                                  key=sum)
+        acts, grads, copies = max(((self.activations * a, self.grads * g + (self.unit_grads if g > 0 else 0.0),
+                                    self.copies * c) for a, g, c in moments), key=sum)
         buckets = self.grads if self.grad_buckets and self.dp_size > 1 else 0
         return MemoryEstimate(math.ceil(self.params), math.ceil(self.grads), math.ceil(self.optim_state),
                               math.ceil(self.gathered + copies), int(acts), math.ceil(self.step_temp),

@@ -61,12 +61,29 @@ def test_zero2_on_fsdp2_counts_shards_whole_units_and_their_gradients():
     assert ds.params == whole and ds.gathered == 0
 
 
+def test_fsdp_counts_whole_unit_gradients_in_backward_only():
+    from atorch.auto.search.cost import build_cost
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    unit = 2 * (64 * 64 + 64) * 4  # no wrap class: the largest unit is the whole model
+    # two moments: the end of forward (no gradient yet) and one in backward (half the gradients)
+    profile = ((1.0, 0.0, 1.0), (0.8, 0.5, 1.0))
+    forward = build_cost(model, Strategy(["fsdp"]), {"data": 2}, 2.0, activations=10 * unit,
+                         activation_profile=profile[:1]).memory()
+    backward = build_cost(model, Strategy(["fsdp"]), {"data": 2}, 2.0, activations=10 * unit,
+                          activation_profile=profile).memory()
+    assert forward.backward_grads == 0 and forward.activations == 10 * unit
+    # in backward: 0.8 of the activations, half the rank's gradient shard, two units' whole gradients
+    assert backward.activations == 8 * unit and backward.backward_grads == unit // 4 + 2 * unit
+    assert backward.total > forward.total
+
+
 def _ratios():
     from atorch.auto.search import measure
     from tests.helpers.models import TinyTransformer, TokenDataset, lm_loss
 
     torch.manual_seed(0)
-    strategies = [[], [("amp_native", "bf16")], ["checkpoint"], ["zero1"], ["zero2"], ["fsdp"]]
+    strategies = [[], [("amp_native", "bf16")], ["checkpoint"], ["zero1"], ["zero2"], ["fsdp"], ["checkpoint", "fsdp"]]
     report = measure(TinyTransformer(), strategies, torch.optim.AdamW, TokenDataset(), lm_loss,
                      optim_args={"lr": 1e-3}, dataloader_args={"batch_size": 8}, model_input_format="unpack_dict",
                      timed_steps=1)
@@ -75,9 +92,13 @@ def _ratios():
 
 def test_estimates_are_close_to_measured_peaks_on_2_ranks():
     ratios = run_distributed(_ratios, 2)[0]
-    assert len(ratios) == 6
+    assert len(ratios) == 7
     # The benchmark (benchmarks/cost_model.py) tracks the 10% goal; the test catches regressions.
     assert all(0.8 <= r <= 1.25 for r in ratios.values()), ratios
+    # fsdp's backward holds the unsharded gradients of the unit it runs and of the one it reduces:
+    # without them fsdp estimated 0.89 of its peak here (1.09 with), checkpoint + fsdp 0.92 (1.05)
+    # and on search_quality's small Llama (4 ranks) 0.82 (1.00)
+    assert ratios["parallel_mode + fsdp"] >= 0.9 and ratios["parallel_mode + checkpoint + fsdp"] >= 0.9, ratios
 
 
 def _amp_ratios(device: str) -> tuple[float, float]:
