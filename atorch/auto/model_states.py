@@ -78,7 +78,8 @@ class Assumptions:
                 f"  optimizer state  {per['optimizer state']:g} B/param ({self.optimizer}: {self.state_factor:g} "
                 f"states x {self.dtype.itemsize} B)",
                 "  amp_native adds a 2 B/param 16-bit copy of the weights (not under zero2/fsdp, which cast "
-                "the gathered units); fsdp gathers its 2 largest units",
+                "the gathered units); fsdp gathers its 2 largest units, and in backward holds their "
+                "gradients whole",
             ]
         return [
             "accounting: deepspeed (mixed precision, as DeepSpeed's estimate_zero2/zero3_model_states_mem_needs)",
