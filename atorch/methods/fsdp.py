@@ -113,7 +113,9 @@ def cost_term(config: FsdpConfig, cost) -> None:
     numel = sum(p.numel() for p in cost.model.parameters()) or 1
     element = cost.param_bytes() * cost.weight_scale / numel
     # under amp (which fsdp absorbs) the unsharded gradients come in amp's 2-byte dtype
-    cost.unit_grads += 2 * unit * (min(1.0, 2 / element) if "amp_native" in cost.methods else 1.0)
+    low = min(1.0, 2 / element) if "amp_native" in cost.methods else 1.0
+    cost.unit_grads += 2 * unit * low
+    cost.whole_grads = cost.grads * cost.dp_size * low
     cost.data_sync = {"params": 2, "grads": 1}  # all-gather in forward and backward, reduce-scatter
     # unit by unit (the root is one too), on this rank's pipeline stages
     units = len(fsdp2.choose_units(cost.model, config.atorch_wrap_cls, config.atorch_size_based_min_num_params,

@@ -419,16 +419,22 @@ class StepCost:
     optim_state: float = 0.0
     step_temp: float = 0.0
     gathered: float = 0.0
+    # weights gathered for forward only, freed as it ends (zero2 on FSDP2: the all-gather's output
+    # buffer, beside the unsharded parameters it kept): alive at the moments without gradients
+    forward_gathered: float = 0.0
     reduce_temp: float = 0.0  # see MemoryEstimate.reduce_temp
     # the lowest estimated / measured peak seen for such candidates, when below ESTIMATE_RATIO's
     # (a method whose memory the model under-counts lowers it: see candidate_ratio)
     estimate_low: float | None = None
     # share of the gradients alive at the activation peak (see MemoryEstimate.backward_grads)
     backward_grad_share: float = 0.0
-    # gradients alive at every moment of backward beside the rank's own (a moment whose gradient
-    # share is above 0): FSDP2's unsharded gradients of the unit whose backward runs and of the
-    # one being reduced; counted in MemoryEstimate.backward_grads
+    # gradients alive whole at every moment of backward (a moment whose gradient share is above
+    # 0) instead of the rank's shard of them: FSDP2's unsharded gradients of the unit whose
+    # backward runs and of the one being reduced, never more than the share of ``whole_grads``
+    # (the rank's model piece's gradients, unsharded, in the dtype backward makes them) backward
+    # has made by then; counted in MemoryEstimate.backward_grads
     unit_grads: float = 0.0
+    whole_grads: float = 0.0
     activations: float = 0.0
     grad_buckets: bool = False  # DDP keeps a copy of the rank's gradients in its buckets
     # autocast's low-precision copies of the weights a rank computes with, alive in forward and
@@ -512,13 +518,26 @@ class StepCost:
         self.step_temp *= share
         self.stepped *= share
 
+    def grads_at(self, share: float) -> float:
+        """Gradient bytes alive when backward has made ``share`` of them: the rank's shard of
+        them, less what of it is still whole in the units ``unit_grads`` counts."""
+        if share <= 0:
+            return 0.0
+        own = self.grads * share
+        if not self.unit_grads:
+            return own
+        whole = min(self.unit_grads, share * self.whole_grads) if self.whole_grads else self.unit_grads
+        return max(0.0, own - whole / self.dp_size) + whole
+
     def memory(self) -> "MemoryEstimate":
         moments = self.activation_profile or ((1.0, self.backward_grad_share, 1.0),)
-        acts, grads, copies = max(((self.activations * a, self.grads * g + (self.unit_grads if g > 0 else 0.0),
-                                    self.copies * c) for a, g, c in moments), key=sum)
+        # without a measured profile the one moment may be forward's end or late backward
+        forward_only = lambda g: self.forward_gathered if g <= 0 or not self.activation_profile else 0.0  # noqa: E731
+        acts, grads, copies, forward = max(((self.activations * a, self.grads_at(g), self.copies * c, forward_only(g))
+                                            for a, g, c in moments), key=sum)
         buckets = self.grads if self.grad_buckets and self.dp_size > 1 else 0
         return MemoryEstimate(math.ceil(self.params), math.ceil(self.grads), math.ceil(self.optim_state),
-                              math.ceil(self.gathered + copies), int(acts), math.ceil(self.step_temp),
+                              math.ceil(self.gathered + copies + forward), int(acts), math.ceil(self.step_temp),
                               self.forward_flops, math.ceil(grads), math.ceil(buckets), math.ceil(self.reduce_temp))
 
     def seconds(self) -> float:
