@@ -111,8 +111,10 @@ def _stage_moments(spans, ranges: list[list[str]], stages: int, m: int, schedule
     as the whole schedule runs in one autocast region, which casts each weight once).
 
     Each (virtual) stage keeps, per microbatch in flight, its units' ``kept`` share of a
-    microbatch; and, for the one microbatch it runs, the most its units had alive beyond the
-    earlier units' kept (a checkpointed block recomputed, the head's logits and loss). The probe
+    microbatch (the last stage also the model's output: the schedule holds it for the backward,
+    where the probe's step had dropped it); and, for the one microbatch it runs, the most its
+    units had alive beyond the earlier units' kept (a checkpointed block recomputed, the head's
+    logits and loss). The probe
     ran the whole batch; a microbatch is 1/m of it. With more microbatches than a rank holds, it
     runs another forward after each backward: it holds them all while the gradients exist. Else
     its first backward runs before any gradient exists, and the later ones with one fewer held."""
@@ -128,9 +130,10 @@ def _stage_moments(spans, ranges: list[list[str]], stages: int, m: int, schedule
             own = [spans[order[name]] for name in ranges[index] if name in order]
             first = min(order[span.name] for span in own)
             base = sum(span.kept for span in spans[:first])  # the earlier stages' microbatch
-            stage_kept = sum(span.kept for span in own)
+            stage_kept = sum(span.kept + span.output for span in own)
             kept += stage_kept
-            extra = max(extra, max(max(span.forward_peak, span.backward_peak) for span in own) - base - stage_kept)
+            peak = max(max(span.forward_peak, span.backward_peak + span.output) for span in own)
+            extra = max(extra, peak - base - stage_kept)
         flight = _in_flight(schedule, rank, stages, m)
         if flight < m:
             moments.append(((flight * kept + extra) / m, 1.0, 1.0))

@@ -241,8 +241,11 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
                 if loss_func is not None:
                     loss = loss_func(batch, output)
                     loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+            held = len(timeline.events)
             del output  # as a training step drops it once the loss is computed
             forward_end = len(timeline.events)
+            # what that freed (a pipeline's last stage holds it until the microbatch's backward)
+            output_bytes = -sum(size for _, size, _ in timeline.events[held:forward_end] if size < 0)
             if not on_meta and torch.is_tensor(loss) and loss.requires_grad:
                 loss.backward()
             else:
@@ -258,7 +261,7 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
             copies = max((m[2] for m in forward), default=0)
             grad_bytes = sum(g.untyped_storage().nbytes() for g in grads)
             profile = (reference, envelope([m[:3] for m in moments], grad_bytes, copies, reference))
-            spans = timeline.unit_spans(grads, forward_end, reference)
+            spans = timeline.unit_spans(grads, forward_end, reference, output_bytes)
         del loss
     finally:  # a probe that raised is given back too
         free_copy(probe)

@@ -43,12 +43,15 @@ class UnitSpan:
     as shares of the forward's activation peak: what it leaves alive from its forward's start to
     the next unit's (``kept``: the tensors saved for backward, its output; the loss, after the last
     unit), and the most activations alive while its forward and while its backward run (all
-    units', the earlier units' kept included)."""
+    units', the earlier units' kept included). The last unit also has ``output``: the model's
+    output the step dropped once the loss was computed (a pipeline schedule holds its last stage's
+    until the microbatch's backward)."""
 
     name: str
     kept: float
     forward_peak: float
     backward_peak: float
+    output: float = 0.0
 
 
 def _first_tensor(value):
@@ -145,14 +148,16 @@ class StepTimeline(PeakMemory):
                 out.append((*alive, index))
         return out
 
-    def unit_spans(self, grads: list[torch.Tensor], forward_end: int, reference: int) -> tuple[UnitSpan, ...]:
+    def unit_spans(self, grads: list[torch.Tensor], forward_end: int, reference: int,
+                   output: int = 0) -> tuple[UnitSpan, ...]:
         """The watched units that ran, in the order their forwards ran, each with its
         :class:`UnitSpan` as shares of ``reference`` bytes. A unit's forward lasts until the next
         unit's starts (the last one's until ``forward_end``, the loss included; the first one's
         from the step's start); its backward from its output's gradient (the last unit's from
         ``forward_end``: the loss's backward) until the next backward that starts. A unit whose
         output needs no gradient has no backward of its own: what it does in backward falls in
-        the span of the unit after it, whose backward runs just before."""
+        the span of the unit after it, whose backward runs just before. ``output``: the bytes
+        the model's output held, freed before ``forward_end``."""
         acts = [alive[0] for alive in self._alive(grads)]
         ran = sorted((m["forward"], name) for name, m in self.marks.items() if "forward_end" in m)
         if not ran or reference <= 0:
@@ -174,7 +179,8 @@ class StepTimeline(PeakMemory):
             start = backward[name]
             after = next((b for b in began if b > start), len(acts)) if start is not None else None
             spans.append(UnitSpan(name, (before(end) - before(begin)) / reference, most(begin, end) / reference,
-                                  most(start, after) / reference if start is not None else 0.0))
+                                  most(start, after) / reference if start is not None else 0.0,
+                                  output / reference if i == len(ran) - 1 else 0.0))
         return tuple(spans)
 
 

@@ -102,6 +102,30 @@ def test_unit_spans_tell_what_each_unit_keeps_and_the_most_alive_while_it_runs()
     assert timeline.unit_spans(grads, forward_end, 0) == ()
 
 
+def test_the_probe_measures_the_model_output_a_pipeline_schedule_holds():
+    # A training step drops the logits once the loss is computed (the loss's backward needs its
+    # own tensors, not them); a pipeline's last stage holds them until the microbatch's backward.
+    # Without them deep-narrow's checkpointed tensor x pipeline layouts estimated 0.82 of their
+    # measured peak (4 buffers of the logits' size alive at the loss's backward, 3 estimated).
+    from atorch.auto.environment import DeviceContext
+    from atorch.auto.plan import resolve_strategy
+    from atorch.auto.search import cost
+    from atorch.auto.strategy import Strategy
+    from tests.helpers.models import VOCAB, TinyTransformer, TokenDataset, lm_loss
+
+    torch.manual_seed(0)
+    model = TinyTransformer(layers=2)
+    batch = {k: torch.stack([TokenDataset(n=4)[i][k] for i in range(4)]) for k in ("input_ids", "labels")}
+    counts: list = []
+    reference = cost.activation_bytes(model, resolve_strategy(model, Strategy([("parallel_mode", {})])), batch,
+                                      "unpack_dict", lm_loss, DeviceContext.detect(), counts)
+    spans = counts[-1]
+    assert [s.name for s in spans] == ["embed", "blocks.0", "blocks.1", "head"]
+    logits = batch["input_ids"].numel() * VOCAB * 4
+    assert spans[-1].output * reference == pytest.approx(logits)
+    assert all(s.output == 0 for s in spans[:-1])
+
+
 def test_a_pipeline_stage_keeps_its_units_for_each_microbatch_in_flight():
     from atorch.auto.search.timeline import UnitSpan
     from atorch.methods.pipeline_parallel import _stage_moments
@@ -121,6 +145,12 @@ def test_a_pipeline_stage_keeps_its_units_for_each_microbatch_in_flight():
     assert moments(2, 2, "gpipe") == [first, then, *last]
     # 4 microbatches under 1F1B: the first stage holds 2, each a quarter of the batch, with the gradients
     assert moments(2, 4, "1f1b") == [((2 * 0.2 + 0.1) / 4, 1.0, 1.0), ((0.8 + 0.1) / 4, 1.0, 1.0)]
+    # the model's output (0.25 of the step's peak) is the last stage's for each microbatch it
+    # holds, alive through the backward: 1F1B holds one there, GPipe both
+    spans = (*spans[:2], UnitSpan("c", 0.5, 1.0, 1.1, output=0.25))
+    assert moments(2, 2, "1f1b")[-1] == ((0.8 + 0.25 + 0.1) / 2, 1.0, 1.0)
+    assert moments(2, 2, "gpipe")[-2:] == [((2 * (0.8 + 0.25) + 0.1) / 2, 0.0, 1.0),
+                                           ((0.8 + 0.25 + 0.1) / 2, 1.0, 1.0)]
     assert _stage_moments((), ranges, 2, 2, "1f1b") is None
     assert _stage_moments(spans, [["a"], ["x"]], 2, 2, "1f1b") is None  # not the split the probe saw
 
