@@ -43,6 +43,9 @@ MESSAGE_BYTES = {"cpu": (16 * 2**10, 4 * 2**20), "cuda": (64 * 2**10, 64 * 2**20
 # Side of the square matmuls timed per dtype.
 MATMUL_SIDE = {"cpu": 512, "cuda": 8192}
 MATMUL_SECONDS = 0.05
+# Tokens x hidden of the two MLP blocks whose step, in fp32 and under bf16 autocast, sets a CPU's
+# bf16 rate: the fp32 matmul rate x how much faster that step runs under autocast.
+AMP_BLOCK = (256, 256)
 # Layers of the tiny model whose step measures the overhead per operator.
 OP_LAYERS = 16
 CHECKPOINT_BLOCK = 4  # layers per checkpointed block when timing checkpointing's overhead
@@ -104,6 +107,9 @@ def read_cached(path: Path, device: torch.device) -> tuple[dict | None, str]:
     if "checkpoint_save_seconds" not in data or "wrapped_call_seconds" not in data:
         return None, (f"{path} was measured before the overheads of checkpointing and FSDP2's hooks were (run "
                       "atorch calibrate --refresh)")
+    if device.type == "cpu" and "autocast_step_speedup" not in data.get("calibration", {}):
+        return None, (f"{path} was measured before a CPU's bf16 rate was taken from a model's step under autocast "
+                      "(run atorch calibrate --refresh)")
     taken, now = data.get("calibration", {}), _setting(device)
     changed = [f"{key} {taken.get(key)} there, {value} here" for key, value in now.items() if taken.get(key) != value]
     if changed:
@@ -139,6 +145,13 @@ def measure(device: torch.device) -> dict:
     setting = _setting(device)
     local = setting["local_world_size"]
     matmul = {"fp32": _matmul_rate(device, torch.float32), "bf16": _matmul_rate(device, torch.bfloat16)}
+    speedup = _autocast_speedup(device)
+    if device.type == "cpu":
+        # On a CPU autocast's casts and its bf16 elementwise operators can eat what the faster
+        # matmuls save: on an EPYC with bf16 instructions a square bf16 matmul ran 4.3x the fp32
+        # rate while the cost-model benchmark's Llamas stepped no faster under amp (the estimate
+        # had put them 38% faster, and ranked them first). A model's step decides instead.
+        matmul["bf16"] = min(matmul["bf16"], matmul["fp32"] * speedup)
     op_seconds = _op_seconds(device)
     checkpoint_save_seconds = _checkpoint_save_seconds(device, op_seconds)
     collectives: dict = {kind: {} for kind in KINDS}
@@ -156,8 +169,11 @@ def measure(device: torch.device) -> dict:
     when = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
     how = (f"measured by atorch calibrate ({when}, {world} x "
            f"{device_name(device)}, torch {torch.__version__}, {seconds:.1f}s)")
+    bf16 = (f"; bf16 at most the fp32 rate x how much faster forward + backward of 2 MLP blocks "
+            f"({AMP_BLOCK[0]} tokens x {AMP_BLOCK[1]}) runs under bf16 autocast than in fp32"
+            if device.type == "cpu" else "")
     sources = {"matmul_flops": f"{how}: square matmuls of side {MATMUL_SIDE.get(device.type, 512)} (halved while "
-                               f"one takes over {MATMUL_SECONDS}s), median of {REPEATS}, the slowest rank's",
+                               f"one takes over {MATMUL_SECONDS}s), median of {REPEATS}, the slowest rank's{bf16}",
                "sustained_fraction": "1: the matmul rates are measured, already sustained",
                "op_seconds": f"{how}: forward + backward of {OP_LAYERS} tiny Linear + ReLU layers on one sample, "
                              f"over 3 x the operators its forward dispatches, median of {REPEATS}, the slowest rank's",
@@ -194,7 +210,7 @@ def measure(device: torch.device) -> dict:
         "wrapped_call_seconds": wrapped_call_seconds,
         "attention": "flash" if device.type == "cuda" else "math",
         "calibration": {"device": device_name(device), "world_size": world, **setting, "when": when,
-                        "seconds": seconds, "torch": torch.__version__},
+                        "seconds": seconds, "torch": torch.__version__, "autocast_step_speedup": speedup},
         "sources": sources,
     })
 
@@ -247,6 +263,28 @@ def _matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
             break
         side //= 2
     return 2 * side**3 / median_seconds(device, lambda: torch.matmul(a, b))
+
+
+def _autocast_speedup(device: torch.device) -> float:
+    """fp32 step time / bf16-autocast step time of forward + backward through 2 MLP blocks
+    (Linear to 4x, GELU, Linear back, LayerNorm) on ``AMP_BLOCK`` tokens x hidden: what amp gains
+    on a model, casts and elementwise operators included, which square matmuls do not show."""
+    tokens, hidden = AMP_BLOCK
+    generator = torch.Generator().manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(2):
+        layers += [torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden),
+                   torch.nn.LayerNorm(hidden)]
+    model = torch.nn.Sequential(*layers).to(device)
+    x = torch.randn(tokens, hidden, generator=generator).to(device)
+
+    def step(amp: bool) -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            out = model(x)
+        out.float().square().mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    return median_seconds(device, lambda: step(False)) / median_seconds(device, lambda: step(True))
 
 
 def _op_seconds(device: torch.device) -> float:

@@ -3,6 +3,7 @@ used by the search's step-time estimate."""
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +37,11 @@ def test_calibration_measures_caches_reuses_and_refreshes_on_2_ranks(tmp_path):
     assert result["path"].endswith("cpu-world2.json")
     assert all(math.isfinite(v) and v > 0 for v in first.matmul_flops.values())
     assert set(first.matmul_flops) == {"fp32", "bf16"}
+    # on a CPU bf16 is charged no faster than autocast made a model's step (see _autocast_speedup)
+    data = json.loads(Path(result["path"]).read_text())
+    speedup = data["calibration"]["autocast_step_speedup"]
+    rates = result["refreshed"]  # the profile that file holds
+    assert rates.matmul_flops["bf16"] <= rates.matmul_flops["fp32"] * speedup * (1 + 1e-9)
     assert set(first.collectives) == set(calib.KINDS)
     assert 1e-8 < first.op_seconds < 1e-2  # microseconds of Python and dispatch per operator
     assert 0 <= first.wrapped_call_seconds < 1e-1  # FSDP2's host work per collective (beyond its latency)
@@ -69,7 +75,7 @@ def _write_calibration(directory, world: int, flops: float, links: dict[str, tup
         "op_seconds": 0.0,
         "checkpoint_save_seconds": 0.0,
         "wrapped_call_seconds": 0.0,
-        "calibration": {"device": "cpu", "world_size": world, **setting},
+        "calibration": {"device": "cpu", "world_size": world, **setting, "autocast_step_speedup": 1.0},
         "sources": {"matmul_flops": "test", "memory": "test", "intra_node.bandwidth": "test",
                     "inter_node.bandwidth": "test"},
     }
@@ -118,6 +124,23 @@ def test_a_calibration_from_before_an_overhead_was_measured_is_measured_again(tm
     path.write_text(json.dumps(data))
     rates, text = calib.cached_rates(torch.device("cpu"), 2, tmp_path)
     assert rates is None and "atorch calibrate --refresh" in text
+
+
+def test_a_cpu_calibration_from_before_the_bf16_rate_came_from_a_model_step_is_measured_again(tmp_path):
+    _write_calibration(tmp_path, 2, 1e9, {"all_reduce": (1e8, 1e-4)})
+    path = calib.cache_path(torch.device("cpu"), 2, tmp_path)
+    assert calib.cached_rates(torch.device("cpu"), 2, tmp_path)[0] is not None
+    data = json.loads(path.read_text())
+    del data["calibration"]["autocast_step_speedup"]
+    path.write_text(json.dumps(data))
+    rates, text = calib.cached_rates(torch.device("cpu"), 2, tmp_path)
+    assert rates is None and "autocast" in text and "atorch calibrate --refresh" in text
+
+
+def test_what_autocast_gains_on_a_model_step_is_measured():
+    # square bf16 matmuls can run 4x fp32's on a CPU where a model steps no faster under amp
+    speedup = calib._autocast_speedup(torch.device("cpu"))
+    assert 0.01 < speedup < 20
 
 
 def _step_estimate() -> tuple[float, str]:
