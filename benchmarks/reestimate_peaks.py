@@ -70,8 +70,8 @@ def reestimate(name: str, rows: list[dict], world: int) -> list[dict]:
         with quiet():
             saved = cost.activation_bytes(model, strategy, batch, "unpack_dict", loss_func, device_ctx, counted,
                                           memo=memo)
-        flops, *rest = counted
-        counts.extend([flops * scale, *rest])
+        flops, *rest, attention = counted
+        counts.extend([flops * scale, *rest, attention * scale])
         return int(saved * scale), tokens
 
     out = []

@@ -46,6 +46,8 @@ MATMUL_SECONDS = 0.05
 # Tokens x hidden of the two MLP blocks whose step, in fp32 and under bf16 autocast, sets a CPU's
 # bf16 rate: the fp32 matmul rate x how much faster that step runs under autocast.
 AMP_BLOCK = (256, 256)
+# Batch, heads, sequence and head size of the causal attention timed per dtype on a CPU.
+ATTENTION_SHAPE = (4, 4, 128, 32)
 # Layers of the tiny model whose step measures the overhead per operator.
 OP_LAYERS = 16
 CHECKPOINT_BLOCK = 4  # layers per checkpointed block when timing checkpointing's overhead
@@ -107,9 +109,10 @@ def read_cached(path: Path, device: torch.device) -> tuple[dict | None, str]:
     if "checkpoint_save_seconds" not in data or "wrapped_call_seconds" not in data:
         return None, (f"{path} was measured before the overheads of checkpointing and FSDP2's hooks were (run "
                       "atorch calibrate --refresh)")
-    if device.type == "cpu" and "autocast_step_speedup" not in data.get("calibration", {}):
+    if device.type == "cpu" and ("autocast_step_speedup" not in data.get("calibration", {})
+                                 or "attention_flops" not in data):
         return None, (f"{path} was measured before a CPU's bf16 rate was taken from a model's step under autocast "
-                      "(run atorch calibrate --refresh)")
+                      "and its attention rates were measured (run atorch calibrate --refresh)")
     taken, now = data.get("calibration", {}), _setting(device)
     changed = [f"{key} {taken.get(key)} there, {value} here" for key, value in now.items() if taken.get(key) != value]
     if changed:
@@ -152,6 +155,10 @@ def measure(device: torch.device) -> dict:
         # rate while the cost-model benchmark's Llamas stepped no faster under amp (the estimate
         # had put them 38% faster, and ranked them first). A model's step decides instead.
         matmul["bf16"] = min(matmul["bf16"], matmul["fp32"] * speedup)
+    # On a CPU attention kernels run at rates of their own: bf16 flash attention's backward ran
+    # 5x slower than fp32's on that EPYC, and made a small Llama's amp step slower than fp32's.
+    attention = ({"fp32": _attention_rate(device, torch.float32), "bf16": _attention_rate(device, torch.bfloat16)}
+                 if device.type == "cpu" else {})
     op_seconds = _op_seconds(device)
     checkpoint_save_seconds = _checkpoint_save_seconds(device, op_seconds)
     collectives: dict = {kind: {} for kind in KINDS}
@@ -175,6 +182,10 @@ def measure(device: torch.device) -> dict:
     sources = {"matmul_flops": f"{how}: square matmuls of side {MATMUL_SIDE.get(device.type, 512)} (halved while "
                                f"one takes over {MATMUL_SECONDS}s), median of {REPEATS}, the slowest rank's{bf16}",
                "sustained_fraction": "1: the matmul rates are measured, already sustained",
+               "attention_flops": f"{how}: forward + backward of causal scaled_dot_product_attention on "
+                                  f"{ATTENTION_SHAPE} (batch, heads, sequence, head size), its forward's FLOPs as "
+                                  f"the probe counts them x 3 over the time, median of {REPEATS}, the slowest rank's"
+               if device.type == "cpu" else "none: attention at the matmul rate",
                "op_seconds": f"{how}: forward + backward of {OP_LAYERS} tiny Linear + ReLU layers on one sample, "
                              f"over 3 x the operators its forward dispatches, median of {REPEATS}, the slowest rank's",
                "checkpoint_save_seconds": f"{how}: the same layers in blocks of {CHECKPOINT_BLOCK}, each "
@@ -208,6 +219,7 @@ def measure(device: torch.device) -> dict:
         "op_seconds": op_seconds,
         "checkpoint_save_seconds": checkpoint_save_seconds,
         "wrapped_call_seconds": wrapped_call_seconds,
+        **({"attention_flops": attention} if attention else {}),
         "attention": "flash" if device.type == "cuda" else "math",
         "calibration": {"device": device_name(device), "world_size": world, **setting, "when": when,
                         "seconds": seconds, "torch": torch.__version__, "autocast_step_speedup": speedup},
@@ -263,6 +275,24 @@ def _matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
             break
         side //= 2
     return 2 * side**3 / median_seconds(device, lambda: torch.matmul(a, b))
+
+
+def _attention_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of causal attention's forward + backward in ``dtype``, counted as the cost model
+    counts a step's: 3 x the forward's FLOPs (FlopCounterMode's) over the time."""
+    from atorch.auto.search.ops import flop_counter
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*ATTENTION_SHAPE, generator=generator).to(device, dtype).requires_grad_()
+               for _ in range(3))
+
+    def forward():
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    counter = flop_counter()
+    with counter:
+        forward()
+    return 3 * counter.get_total_flops() / median_seconds(device, lambda: forward().sum().backward())
 
 
 def _autocast_speedup(device: torch.device) -> float:

@@ -209,16 +209,15 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
     activations at the end of forward and their profile over backward
     (:mod:`atorch.auto.search.timeline`), then the tensors saved outside checkpoints and the
     spans of the units the methods name (``probe_units``) are appended to ``counts`` when given."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     from atorch.auto.context import ModelContext, move_to_device
-    from atorch.auto.search.ops import OpCounter
+    from atorch.auto.search.ops import OpCounter, attention_flops
+    from atorch.auto.search.ops import flop_counter as new_flop_counter
     from atorch.auto.search.timeline import StepTimeline, envelope
     from atorch.methods.checkpoint import CheckpointedForward
 
     probe = copy.deepcopy(model)
     counter = _SavedBytes()
-    flop_counter, op_counter = FlopCounterMode(display=False), OpCounter()
+    flop_counter, op_counter = new_flop_counter(), OpCounter()
     try:
         ctx = ModelContext(model=probe, device_ctx=device_ctx, loss_func=loss_func, prepare_input=move_to_device)
         absorbed = absorbed_methods(strategy)
@@ -266,7 +265,8 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
     finally:  # a probe that raised is given back too
         free_copy(probe)
     if counts is not None:
-        counts.extend([flop_counter.get_total_flops(), op_counter.count, profile, counter.packed, spans])
+        counts.extend([flop_counter.get_total_flops(), op_counter.count, profile, counter.packed, spans,
+                       attention_flops(flop_counter)])
     saved = counter.by_dtype
     if on_meta:
         # Meta tensors show what a method does to shapes, not to dtypes (autocast does nothing on
@@ -363,7 +363,7 @@ def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, mod
     counted: list = []
     saved, checkpointed = _probe(memo, model, strategy, batch, model_input_format, loss_func, device_ctx,
                                  PROBED_STAGES, counted)
-    flops, ops, (reference, profile), packed, spans = counted
+    flops, ops, (reference, profile), packed, spans, attention = counted
     hooked = 0
     if checkpointed:
         plain: list = []
@@ -378,7 +378,7 @@ def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, mod
     if profile:
         saved = reference
     if counts is not None:
-        counts.extend([flops, ops, profile, hooked, spans])
+        counts.extend([flops, ops, profile, hooked, spans, attention])
     return saved
 
 
@@ -416,6 +416,8 @@ class StepCost:
     # the trainable bytes this rank's optimizer steps (a sharding method divides them)
     optim_seconds_per_byte: float = 0.0
     stepped: float = 0.0
+    # of forward_flops, those in attention kernels (they run at the profile's attention rate)
+    attention_flops: float = 0.0
     # memory, bytes per rank (see the module docstring's formula)
     params: float = 0.0
     grads: float = 0.0
@@ -551,10 +553,12 @@ class StepCost:
         (``sync_overlap``), the profile's ``overlap`` share hides behind the compute of its passes,
         up to that compute; nominal rates hide none."""
         if self.profile is None:
-            rate = _FLOPS.get(self.device_type, _FLOPS["cpu"])[self.compute_dtype]
+            rate = attention_rate = _FLOPS.get(self.device_type, _FLOPS["cpu"])[self.compute_dtype]
         else:
-            rate = self.profile.rate(self.compute_dtype)
-        compute = self.forward_flops * self.passes * self.compute_share / rate
+            rate, attention_rate = self.profile.rate(self.compute_dtype), self.profile.attention_rate(self.compute_dtype)
+        attention = min(self.attention_flops, self.forward_flops)
+        compute = ((self.forward_flops - attention) / rate + attention / attention_rate) * self.passes \
+            * self.compute_share
         # framework overhead per operator: calibrated on this machine, none in a datasheet profile;
         # on a GPU the host issues operators while earlier kernels run: the slower of the two counts
         op_seconds = 0.0 if self.profile is None else self.profile.op_seconds
@@ -621,7 +625,8 @@ class StepCost:
 def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int], state_factor: float,
                activations: int, forward_flops: float = 0.0, tokens: int = 0, device_type: str = "cpu",
                forward_ops: float = 0.0, optim_seconds_per_byte: float = 0.0,
-               activation_profile: tuple = (), checkpointed_saves: float = 0.0, unit_spans: tuple = ()) -> StepCost:
+               activation_profile: tuple = (), checkpointed_saves: float = 0.0, unit_spans: tuple = (),
+               attention_flops: float = 0.0) -> StepCost:
     """The candidate's :class:`StepCost`: the whole model's terms, then each method's ``cost_term``."""
     cost = StepCost(model, dict(dims), state_factor, device_type, forward_flops, tokens,
                     frozenset(absorbed_methods(strategy)),
@@ -639,6 +644,7 @@ def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int],
     cost.activation_profile = tuple(activation_profile)
     cost.checkpointed_saves = checkpointed_saves
     cost.unit_spans = tuple(unit_spans)
+    cost.attention_flops = attention_flops
     for name, config in strategy.items():
         term = get_method(name).cost_term
         if term is not None:

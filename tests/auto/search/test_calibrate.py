@@ -42,6 +42,8 @@ def test_calibration_measures_caches_reuses_and_refreshes_on_2_ranks(tmp_path):
     speedup = data["calibration"]["autocast_step_speedup"]
     rates = result["refreshed"]  # the profile that file holds
     assert rates.matmul_flops["bf16"] <= rates.matmul_flops["fp32"] * speedup * (1 + 1e-9)
+    # and attention runs at rates of its own, per dtype
+    assert set(rates.attention_flops) == {"fp32", "bf16"} and all(v > 0 for v in rates.attention_flops.values())
     assert set(first.collectives) == set(calib.KINDS)
     assert 1e-8 < first.op_seconds < 1e-2  # microseconds of Python and dispatch per operator
     assert 0 <= first.wrapped_call_seconds < 1e-1  # FSDP2's host work per collective (beyond its latency)
@@ -75,6 +77,7 @@ def _write_calibration(directory, world: int, flops: float, links: dict[str, tup
         "op_seconds": 0.0,
         "checkpoint_save_seconds": 0.0,
         "wrapped_call_seconds": 0.0,
+        "attention_flops": {"fp32": flops, "bf16": flops / 2},
         "calibration": {"device": "cpu", "world_size": world, **setting, "autocast_step_speedup": 1.0},
         "sources": {"matmul_flops": "test", "memory": "test", "intra_node.bandwidth": "test",
                     "inter_node.bandwidth": "test"},
@@ -126,15 +129,17 @@ def test_a_calibration_from_before_an_overhead_was_measured_is_measured_again(tm
     assert rates is None and "atorch calibrate --refresh" in text
 
 
-def test_a_cpu_calibration_from_before_the_bf16_rate_came_from_a_model_step_is_measured_again(tmp_path):
+def test_a_cpu_calibration_from_before_its_bf16_and_attention_rates_is_measured_again(tmp_path):
     _write_calibration(tmp_path, 2, 1e9, {"all_reduce": (1e8, 1e-4)})
     path = calib.cache_path(torch.device("cpu"), 2, tmp_path)
     assert calib.cached_rates(torch.device("cpu"), 2, tmp_path)[0] is not None
     data = json.loads(path.read_text())
-    del data["calibration"]["autocast_step_speedup"]
-    path.write_text(json.dumps(data))
-    rates, text = calib.cached_rates(torch.device("cpu"), 2, tmp_path)
-    assert rates is None and "autocast" in text and "atorch calibrate --refresh" in text
+    for forget in (lambda d: d["calibration"].pop("autocast_step_speedup"), lambda d: d.pop("attention_flops")):
+        stale = json.loads(json.dumps(data))
+        forget(stale)
+        path.write_text(json.dumps(stale))
+        rates, text = calib.cached_rates(torch.device("cpu"), 2, tmp_path)
+        assert rates is None and "autocast" in text and "atorch calibrate --refresh" in text
 
 
 def test_what_autocast_gains_on_a_model_step_is_measured():

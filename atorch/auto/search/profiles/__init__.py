@@ -71,6 +71,10 @@ class HardwareProfile:
     # host seconds a sharding wrapper (FSDP2) spends per collective it issues from its hooks, beyond
     # the collective: measured by calibration; 0 in a datasheet profile (host time)
     wrapped_call_seconds: float = 0.0
+    # FLOP/s of attention kernels (scaled_dot_product_attention's forward + backward) by dtype, as
+    # the probe counts their FLOPs: measured by calibration on a CPU, where bf16 attention ran 5x
+    # slower than fp32 while bf16 matmuls ran faster; empty: attention runs at the matmul rate
+    attention_flops: dict = field(default_factory=dict)
 
     def peak(self, compute_dtype: str) -> float:
         """Peak dense FLOP/s for the cost model's compute dtype ("half" or "fp32")."""
@@ -79,6 +83,11 @@ class HardwareProfile:
     def rate(self, compute_dtype: str) -> float:
         """Sustained FLOP/s: the peak times ``sustained_fraction``."""
         return self.peak(compute_dtype) * self.sustained_fraction
+
+    def attention_rate(self, compute_dtype: str) -> float:
+        """FLOP/s of attention kernels: measured when the profile has them, else :meth:`rate`."""
+        measured = self.attention_flops.get("bf16" if compute_dtype == "half" else "fp32")
+        return measured if measured else self.rate(compute_dtype)
 
     def link(self, span: int, kind: str | None = None) -> Link:
         """The link a group uses whose members lie within ``span`` consecutive ranks (ranks are
@@ -136,6 +145,9 @@ def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwarePro
     for key, value in host.items():
         if not (math.isfinite(value) and value >= 0):
             raise UnknownProfileError(f"hardware profile {path}: {key} must not be negative")
+    attention = {k: float(v) for k, v in data.get("attention_flops", {}).items()}
+    if not all(math.isfinite(v) and v > 0 for v in attention.values()):
+        raise UnknownProfileError(f"hardware profile {path}: attention_flops must be positive")
     if not 0 <= overlap <= 1:
         raise UnknownProfileError(f"hardware profile {path}: overlap is a share of the communication, in [0, 1], "
                                   f"not {overlap:g}")
@@ -156,5 +168,6 @@ def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwarePro
         attention=data.get("attention", "math"),
         collectives=collectives,
         overlap=overlap,
+        attention_flops=attention,
         **host,
     )
