@@ -98,6 +98,15 @@ def step_locally(ctx: ModelContext, config: FsdpConfig) -> None:
     fsdp2.local_shard_step(ctx, "fsdp")
 
 
+def compute_dtype_share(cost) -> float:
+    """Bytes per element of FSDP2's unsharded parameters and gradients over the model's own: amp's
+    2 bytes under amp_native (which FSDP2 absorbs through its mixed-precision policy), else 1."""
+    if "amp_native" not in cost.methods:
+        return 1.0
+    numel = sum(p.numel() for p in cost.model.parameters()) or 1
+    return min(1.0, 2 / (cost.param_bytes() * cost.weight_scale / numel))
+
+
 def cost_term(config: FsdpConfig, cost) -> None:
     from atorch.auto.search.cost import largest_unit_bytes
 
@@ -110,10 +119,7 @@ def cost_term(config: FsdpConfig, cost) -> None:
     # measured peak without them).
     unit = largest_unit_bytes(cost.model, list(config.atorch_wrap_cls or [])) * cost.weight_scale * cost.split
     cost.gathered += 2 * unit
-    numel = sum(p.numel() for p in cost.model.parameters()) or 1
-    element = cost.param_bytes() * cost.weight_scale / numel
-    # under amp (which fsdp absorbs) the unsharded gradients come in amp's 2-byte dtype
-    low = min(1.0, 2 / element) if "amp_native" in cost.methods else 1.0
+    low = compute_dtype_share(cost)  # under amp the unsharded gradients come in amp's 2-byte dtype
     cost.unit_grads += 2 * unit * low
     cost.whole_grads = cost.grads * cost.dp_size * low
     cost.data_sync = {"params": 2, "grads": 1}  # all-gather in forward and backward, reduce-scatter

@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 from atorch.auto.config_types import MethodConfig, class_name
 from atorch.auto.context import ModelContext
 from atorch.auto.registry import ONE_SHARDING, MethodSpec, Stage, register_method
-from atorch.methods.fsdp import mixed_precision_from
+from atorch.methods.fsdp import compute_dtype_share, mixed_precision_from
 from atorch.sharding import fsdp2
 from atorch.sharding.deepspeed import deepspeed_unavailable, wrap_deepspeed
 from atorch.utils.modules import find_block_classes
@@ -128,10 +128,8 @@ def _fsdp2_terms(config: Zero2Config, cost) -> None:
     estimate was 0.72-0.88 of the measured peak, with them 0.85-1.03."""
     from atorch.auto.search.cost import largest_unit_bytes
 
-    numel = sum(p.numel() for p in cost.model.parameters()) or 1
     whole = cost.param_bytes() * cost.weight_scale * cost.split * cost.stage_share
-    element = cost.param_bytes() * cost.weight_scale / numel
-    low = min(1.0, 2 / element) if "amp_native" in cost.methods else 1.0  # FSDP2 gathers in amp's 2-byte dtype
+    low = compute_dtype_share(cost)  # FSDP2 gathers in amp's 2-byte dtype
     cost.params = whole / cost.dp_size + whole * low
     cost.step_temp = cost.stepped  # the local step runs foreach kernels over the shards (local_step.py)
     trainable = cost.param_bytes(trainable_only=True) * cost.weight_scale * cost.split * cost.stage_share

@@ -148,17 +148,17 @@ def measure(device: torch.device) -> dict:
     setting = _setting(device)
     local = setting["local_world_size"]
     matmul = {"fp32": _matmul_rate(device, torch.float32), "bf16": _matmul_rate(device, torch.bfloat16)}
-    speedup = _autocast_speedup(device)
+    attention, cpu_rates = {}, {}
     if device.type == "cpu":
         # On a CPU autocast's casts and its bf16 elementwise operators can eat what the faster
         # matmuls save: on an EPYC with bf16 instructions a square bf16 matmul ran 4.3x the fp32
         # rate while the cost-model benchmark's Llamas stepped no faster under amp (the estimate
         # had put them 38% faster, and ranked them first). A model's step decides instead.
-        matmul["bf16"] = min(matmul["bf16"], matmul["fp32"] * speedup)
-    # On a CPU attention kernels run at rates of their own: bf16 flash attention's backward ran
-    # 5x slower than fp32's on that EPYC, and made a small Llama's amp step slower than fp32's.
-    attention = ({"fp32": _attention_rate(device, torch.float32), "bf16": _attention_rate(device, torch.bfloat16)}
-                 if device.type == "cpu" else {})
+        cpu_rates["autocast_step_speedup"] = _autocast_speedup(device)
+        matmul["bf16"] = min(matmul["bf16"], matmul["fp32"] * cpu_rates["autocast_step_speedup"])
+        # Attention kernels run at rates of their own: bf16 flash attention's backward ran 5x
+        # slower than fp32's on that EPYC, and made a small Llama's amp step slower than fp32's.
+        attention = {"fp32": _attention_rate(device, torch.float32), "bf16": _attention_rate(device, torch.bfloat16)}
     op_seconds = _op_seconds(device)
     checkpoint_save_seconds = _checkpoint_save_seconds(device, op_seconds)
     collectives: dict = {kind: {} for kind in KINDS}
@@ -222,7 +222,7 @@ def measure(device: torch.device) -> dict:
         **({"attention_flops": attention} if attention else {}),
         "attention": "flash" if device.type == "cuda" else "math",
         "calibration": {"device": device_name(device), "world_size": world, **setting, "when": when,
-                        "seconds": seconds, "torch": torch.__version__, "autocast_step_speedup": speedup},
+                        "seconds": seconds, "torch": torch.__version__, **cpu_rates},
         "sources": sources,
     })
 

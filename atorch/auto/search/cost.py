@@ -210,14 +210,13 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
     (:mod:`atorch.auto.search.timeline`), then the tensors saved outside checkpoints and the
     spans of the units the methods name (``probe_units``) are appended to ``counts`` when given."""
     from atorch.auto.context import ModelContext, move_to_device
-    from atorch.auto.search.ops import OpCounter, attention_flops
-    from atorch.auto.search.ops import flop_counter as new_flop_counter
+    from atorch.auto.search import ops
     from atorch.auto.search.timeline import StepTimeline, envelope
     from atorch.methods.checkpoint import CheckpointedForward
 
     probe = copy.deepcopy(model)
     counter = _SavedBytes()
-    flop_counter, op_counter = new_flop_counter(), OpCounter()
+    flop_counter, op_counter = ops.flop_counter(), ops.OpCounter()
     try:
         ctx = ModelContext(model=probe, device_ctx=device_ctx, loss_func=loss_func, prepare_input=move_to_device)
         absorbed = absorbed_methods(strategy)
@@ -266,7 +265,7 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
         free_copy(probe)
     if counts is not None:
         counts.extend([flop_counter.get_total_flops(), op_counter.count, profile, counter.packed, spans,
-                       attention_flops(flop_counter)])
+                       ops.attention_flops(flop_counter)])
     saved = counter.by_dtype
     if on_meta:
         # Meta tensors show what a method does to shapes, not to dtypes (autocast does nothing on
