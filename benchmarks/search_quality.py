@@ -1,6 +1,6 @@
 """How good and how fast is the fully automatic search, against trying every candidate?
 
-    .venv/bin/python benchmarks/search_quality.py --nproc 4 --repeats 5 --steps 3
+    .venv/bin/python benchmarks/search_quality.py --nproc 4 --repeats 11 --steps 5
 
 Six scenarios on 4 gloo processes (issue 18), each a Llama of benchmarks/workload.py and a
 per-rank memory budget:
@@ -325,7 +325,7 @@ def report(results: dict, nproc: int, out: str, plot: str | None) -> str:
 
 
 def main(argv=None) -> str:
-    parser = harness.parser(__doc__, "search_quality", "scenarios", SCENARIOS, repeats=5, steps=3,
+    parser = harness.parser(__doc__, "search_quality", "scenarios", SCENARIOS, repeats=11, steps=5,
                             tiny="toy sizes that only show the benchmark runs")
     parser.set_defaults(nproc=4)
     args = parser.parse_args(argv)
