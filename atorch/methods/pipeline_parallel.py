@@ -16,6 +16,7 @@ from atorch.pipeline import pipeline_eligibility
 from atorch.pipeline.auto import PipelineFields, check_fields, pipeline_model
 from atorch.pipeline.layouts import layout_for
 from atorch.pipeline.partition import balanced_ranges, ranges_from_cuts
+from atorch.pipeline.schedules import check_schedule
 
 
 class PipelineParallelConfig(PipelineFields):
@@ -104,6 +105,34 @@ def _in_flight(schedule: str, stage: int, stages: int, m: int) -> int:
     return m if schedule == "gpipe" else min(m, stages - stage)
 
 
+def interleaved_held(rank: int, stages: int, virtual: int, m: int) -> list[tuple[tuple[int, ...], bool]]:
+    """Under interleaved 1F1B (torch's ``ScheduleInterleaved1F1B``), the microbatches each of
+    ``rank``'s ``virtual`` stages holds (run forward, not yet backward) after each of its
+    forwards and backwards from the last warm-up forward on (the holding only shrinks after), and
+    whether a backward has run by then (the rank's gradients exist).
+
+    The schedule runs ``(virtual - 1) x r + 2 x (stages - 1 - rank)`` warm-up forwards (r: the
+    microbatches of a round, ``m // max(1, m // stages)``), capped at all ``m x virtual``; forward
+    k is local stage ``(k // r) % virtual``; then one forward, one backward, the backwards from the
+    last local stage down. Rank 0 thus holds ``2 x (stages - 1) + 1`` forwards beyond the first
+    ``virtual - 1`` rounds: more than 1F1B's ``stages`` microbatches of its layers."""
+    per_round = m // max(1, m // stages)
+    warmup = min((virtual - 1) * per_round + 2 * (stages - 1 - rank), m * virtual)
+    held, out, backward_ran = [0] * virtual, [], False
+    for op in range(m * virtual):
+        held[(op // per_round) % virtual] += 1
+        if op >= warmup - 1:
+            out.append((tuple(held), backward_ran))
+        if op >= warmup:  # the steady state: a backward after each forward
+            held[virtual - 1 - ((op - warmup) // per_round) % virtual] -= 1
+            backward_ran = True
+            out.append((tuple(held), True))
+    if not backward_ran:  # every forward ran first: the first backward frees one of the last stage's
+        held[virtual - 1] -= 1
+        out.append((tuple(held), True))
+    return out
+
+
 def _stage_moments(spans, ranges: list[list[str]], stages: int, m: int, schedule: str) -> tuple | None:
     """The worst moments of any pipeline rank, from the probe's unit spans (None without them), as
     ``StepCost.activation_profile`` takes them: (activations as a share of the whole step's on the
@@ -125,15 +154,23 @@ def _stage_moments(spans, ranges: list[list[str]], stages: int, m: int, schedule
         return None  # a stage none of whose units the probe saw: not the split it measured
     moments = []
     for rank in range(stages):
-        kept = extra = 0.0
+        chunks, extra = [], 0.0
         for index in range(rank, len(ranges), stages):  # interleaved: stages r, r + p, ...
             own = [spans[order[name]] for name in ranges[index] if name in order]
             first = min(order[span.name] for span in own)
             base = sum(span.kept for span in spans[:first])  # the earlier stages' microbatch
             stage_kept = sum(span.kept + span.output for span in own)
-            kept += stage_kept
+            chunks.append(stage_kept)
             peak = max(max(span.forward_peak, span.backward_peak + span.output) for span in own)
             extra = max(extra, peak - base - stage_kept)
+        if schedule == "interleaved":
+            worst: dict[bool, float] = {}
+            for held, backward_ran in interleaved_held(rank, stages, len(chunks), m):
+                alive = sum(n * k for n, k in zip(held, chunks))
+                worst[backward_ran] = max(worst.get(backward_ran, 0.0), alive)
+            moments += [((alive + extra) / m, float(grads), 1.0) for grads, alive in sorted(worst.items())]
+            continue
+        kept = sum(chunks)
         flight = _in_flight(schedule, rank, stages, m)
         if flight < m:
             moments.append(((flight * kept + extra) / m, 1.0, 1.0))
@@ -158,10 +195,15 @@ def pipeline_terms(cost, config: PipelineFields, stages: int) -> None:
     cost.split_model(share)
     cost.stage_share *= share
     m, v = config.num_microbatches, config.virtual_pipeline_size
-    moments = _stage_moments(cost.unit_spans, ranges, stages, m, config.schedule)
+    schedule = check_schedule(config.schedule, v)
+    moments = _stage_moments(cost.unit_spans, ranges, stages, m, schedule)
     if moments is None:  # no spans (meta tensors, a probe that did not see the units): the first
         # stage's microbatches in flight, each with the rank's share of the activations
-        cost.activations *= share * _in_flight(config.schedule, 0, stages, m) / m
+        if schedule == "interleaved":
+            flight = max(sum(held) for held, _ in interleaved_held(0, stages, v, m)) / v
+        else:
+            flight = _in_flight(schedule, 0, stages, m)
+        cost.activations *= share * flight / m
     else:
         cost.activation_profile = moments
     cost.compute_share *= share

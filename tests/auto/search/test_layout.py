@@ -307,3 +307,33 @@ def test_tensor_layouts_estimate_their_peak_block_by_block():
     assert [names[-1] for names, _, _ in rows] == ["tensor_parallel", "checkpoint"]
     for names, estimated, measured in rows:
         assert measured and 0.9 <= estimated / measured <= 1.1, (names, estimated / measured)
+
+
+def _interleaved_peaks():
+    """Estimated and measured peaks of pipeline=2 with two stages a rank (interleaved 1F1B) and
+    4 microbatches, on a Llama of 4 blocks whose activations (256 tokens a sequence) outweigh
+    its parameters and Adam state."""
+    from atorch.auto.search import measure
+    from atorch.utils.log import quiet
+
+    seq = 256
+    model = _llama(heads=2, layers=4, hidden=32)
+    model.config.max_position_embeddings = seq
+    start = torch.randint(0, VOCAB, (8, 1), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": t, "labels": t} for t in (start + torch.arange(seq)) % VOCAB]
+    layout = ("parallel_mode", {"dims": [["pipeline", 2], ["data", 1]]})
+    pipeline = ("pipeline_parallel", {"num_microbatches": 4, "virtual_pipeline_size": 2, "schedule": "interleaved"})
+    with quiet():
+        report = measure(model, [[layout, pipeline]], torch.optim.AdamW, data, lambda batch, out: out.loss,
+                         optim_args={"lr": 1e-3}, dataloader_args={"batch_size": 8}, model_input_format="unpack_dict",
+                         timed_steps=1, warmup_steps=1)
+    return [(c.names, c.estimated_peak_bytes, c.measured_peak_bytes) for c in report.candidates]
+
+
+def test_an_interleaved_pipeline_estimates_the_microbatches_its_ranks_hold():
+    # Rank 0 holds 5 stage-microbatches at its first backward (4 warm-up forwards and one
+    # more), where the count of 1F1B without interleaving, 2 microbatches of both its stages,
+    # gave 4: estimated 0.76 of the measured peak with that count, 0.94 with the schedule's
+    # own order (2026-11-25).
+    (names, estimated, measured), = run_distributed(_interleaved_peaks, 2)[0]
+    assert measured and 0.9 <= estimated / measured <= 1.1, (names, estimated / measured)

@@ -186,3 +186,52 @@ def test_a_tensor_rank_splits_only_what_lies_inside_the_blocks():
     # a checkpointed block's copies are not held after its recompute
     moments = _span_moments(kept, blocks, model, checkpointed=True)
     assert moments[-1][2] == pytest.approx((1 + 4) / 10)
+
+
+def _torch_interleaved_worst(rank, stages, virtual, m, weights):
+    """The most each rank holds under torch's own interleaved 1F1B order, weighted per local
+    stage, before and after its first backward."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    fake = SimpleNamespace(n_local_stages=virtual, microbatches_per_round=m // max(1, m // stages),
+                           pp_group_size=stages, _n_microbatches=m)
+    held, backward_ran, worst = [0] * virtual, False, {}
+    for action in ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, rank):
+        if action is None:
+            continue
+        forward = action.computation_type == _ComputationType.FORWARD
+        held[action.stage_index // stages] += 1 if forward else -1
+        backward_ran = backward_ran or not forward
+        alive = sum(n * w for n, w in zip(held, weights))
+        worst[backward_ran] = max(worst.get(backward_ran, 0.0), alive)
+    return worst
+
+
+@pytest.mark.parametrize("stages,virtual,m", [(2, 2, 2), (2, 2, 4), (2, 3, 6), (4, 2, 4), (4, 2, 8), (3, 2, 12)])
+def test_interleaved_holding_follows_torchs_own_order(stages, virtual, m):
+    from atorch.methods.pipeline_parallel import interleaved_held
+
+    for rank in range(stages):
+        weights = [1.0 + 10.0 ** k for k in range(virtual)]  # tells the local stages apart
+        worst = {}
+        for held, backward_ran in interleaved_held(rank, stages, virtual, m):
+            alive = sum(n * w for n, w in zip(held, weights))
+            worst[backward_ran] = max(worst.get(backward_ran, 0.0), alive)
+        assert worst == pytest.approx(_torch_interleaved_worst(rank, stages, virtual, m, weights))
+
+
+def test_an_interleaved_rank_holds_more_than_its_1f1b_microbatches():
+    from atorch.auto.search.timeline import UnitSpan
+    from atorch.methods.pipeline_parallel import _stage_moments
+
+    # 4 equal stages on 2 ranks (2 each), 4 microbatches: rank 0 runs 4 warm-up forwards (stage 0
+    # twice, stage 2 twice) and one more before its first backward: 5 stage-microbatches of 0.2,
+    # where 1F1B without interleaving would hold 2 microbatches of both its stages (4 x 0.2).
+    spans = tuple(UnitSpan(name, 0.2, 0.2 * (i + 1), 0.2 * (i + 1)) for i, name in enumerate("abcd"))
+    ranges = [["a"], ["b"], ["c"], ["d"]]
+    worst = max(activations for activations, _, _ in _stage_moments(spans, ranges, 2, 4, "interleaved"))
+    assert worst == pytest.approx(5 * 0.2 / 4)
+    assert max(a for a, _, _ in _stage_moments(spans, [["a", "b"], ["c", "d"]], 2, 4, "1f1b")) == pytest.approx(
+        2 * 0.4 / 4)
