@@ -29,7 +29,7 @@ def run_search(model, device_ctx, make_context, apply_strategy, kwargs, excluded
     options = SearchOptions(
         memory_budget=budget,
         time_limit=kwargs.get("time_limit"),
-        warmup_steps=int(kwargs.get("dryrun_warmup_steps", 1)),
+        warmup_steps=int(kwargs.get("dryrun_warmup_steps", SearchOptions.warmup_steps)),
         timed_steps=max(1, int(kwargs.get("dryrun_steps", 3))),
         dryrun_timeout=float(kwargs.get("dryrun_timeout", 300.0)),
         max_dryruns=int(kwargs.get("max_dryruns", 8)),

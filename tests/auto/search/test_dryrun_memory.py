@@ -49,3 +49,28 @@ def test_memory_after_dry_runs_returns_to_the_baseline():
         assert statuses == ["measured"] * len(CANDIDATES)
         # Each leaked copy would hold at least its parameters, gradients and AdamW state (4x).
         assert after - baseline < model_bytes / 4, (baseline, after, model_bytes)
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def test_the_search_freezes_what_existed_and_still_collects_its_own_garbage():
+    from atorch.auto.search.dryrun import collector_frozen
+
+    assert gc.get_freeze_count() == 0
+    with collector_frozen():
+        assert gc.get_freeze_count() > 0  # the imports and the caller's objects: skipped
+        _Cycle()
+        assert gc.collect() >= 1  # a cycle made during the search is still found
+    assert gc.get_freeze_count() == 0
+    # a process that froze objects itself keeps them frozen
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with collector_frozen():
+            pass
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
