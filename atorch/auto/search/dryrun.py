@@ -75,7 +75,8 @@ def collector_frozen():
     if gc.get_freeze_count():
         yield
         return
-    gc.collect()
+    # No collection first: garbage frozen with the rest is collected after the search (a full
+    # collection here cost as much as the three of a dry run).
     gc.freeze()
     try:
         yield

@@ -192,11 +192,17 @@ def envelope(moments: list[tuple[int, int, int]], grad_total: int, copy_total: i
     copies ``C`` peaks at the largest ``A a + G g + C c`` of them."""
     if not moments or reference <= 0:
         return ()
+    # Every weighting at once, in float64 and in the order Python would add them (acts + g x
+    # grads, then + c x copies), so each argmax (the first of equal maxima, as max() takes) is
+    # the moment a loop over the weights would pick: the loop made a probe 1.7x slower.
+    values = torch.tensor(moments, dtype=torch.float64)
+    grad_weights = torch.tensor(_WEIGHTS, dtype=torch.float64).repeat_interleave(len(_COPY_WEIGHTS))
+    copy_weights = torch.tensor(_COPY_WEIGHTS, dtype=torch.float64).repeat(len(_WEIGHTS))
+    scores = values[:, :1] + grad_weights * values[:, 1:2] + copy_weights * values[:, 2:3]
     worst = []
-    for grad_weight in _WEIGHTS:
-        for copy_weight in _COPY_WEIGHTS:
-            acts, grad, copies = max(moments, key=lambda m, g=grad_weight, c=copy_weight: m[0] + g * m[1] + c * m[2])
-            point = (acts / reference, grad / max(grad_total, 1), copies / max(copy_total, 1))
-            if point not in worst:
-                worst.append(point)
+    for index in scores.argmax(dim=0).tolist():
+        acts, grad, copies = moments[index]
+        point = (acts / reference, grad / max(grad_total, 1), copies / max(copy_total, 1))
+        if point not in worst:
+            worst.append(point)
     return tuple(worst)
