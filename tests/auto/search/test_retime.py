@@ -25,13 +25,21 @@ def test_a_clear_winner_or_a_lone_one_is_not_timed_again():
     assert _close_call(_measured(checkpoint=100.0)) == []
 
 
-def test_a_search_times_a_close_call_again_over_more_steps(tmp_path, monkeypatch):
+def test_a_search_times_a_close_call_again_and_keeps_the_median(tmp_path, monkeypatch):
     # Every runner-up counts as close here, so the search (one process, in this one) re-times.
     # The budget is under plain's peak (672 KiB), so memory-saving candidates run beside it.
     from atorch.auto import auto_accelerate
     from tests.helpers.models import TinyTransformer, TokenDataset, lm_loss
 
     monkeypatch.setattr(engine, "RETIME_MARGIN", 1.0)
+    order = []
+    measure = engine.dry_run
+
+    def recorded(pristine, strategy, *args, **kwargs):
+        order.append(tuple(strategy.opt_names))
+        return measure(pristine, strategy, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "dry_run", recorded)
     torch.manual_seed(0)
     path = tmp_path / "report.json"
     status, _, _ = auto_accelerate(
@@ -45,7 +53,8 @@ def test_a_search_times_a_close_call_again_over_more_steps(tmp_path, monkeypatch
     assert len(retimed) == 2, report.table()
     assert report.candidates[report.winner] in retimed
     for candidate in retimed:
-        assert len(candidate.throughputs) == 2 and candidate.status == MEASURED
-        first, second = candidate.throughputs  # over 2 steps, then over RETIME_STEPS x 2
-        steps = engine.RETIME_STEPS * 2
-        assert candidate.throughput == pytest.approx((2 + steps) / (2 / first + steps / second))
+        assert len(candidate.throughputs) == 1 + engine.RETIME_ROUNDS and candidate.status == MEASURED
+        assert candidate.throughput == pytest.approx(sorted(candidate.throughputs)[1])  # the median of 3
+    # the re-timing alternates: runner-up, best, best, runner-up
+    again = order[-2 * engine.RETIME_ROUNDS:]
+    assert again[0] == again[3] != again[1] == again[2]
