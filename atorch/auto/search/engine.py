@@ -25,16 +25,17 @@ from atorch.utils.log import logger, quiet
 
 # Throughputs within this fraction of the best count as a tie, won by the simpler strategy.
 TIE_TOLERANCE = 0.03
-# A runner-up measured within this fraction of the best is timed again, and so is the best: each
-# in RETIME_ROUNDS more fresh dry runs, alternated runner-up, best, best, runner-up (a drift of the
-# machine's load over the four runs weighs on both alike), and each keeps the median of its
-# readings. 4 ranks on 2 shared cores, six dry runs each of plain and zero1 data parallelism on
-# search_quality.py's small Llama, alternated, measured 109-133 and 110-141 samples/s (max/min
-# 1.22 and 1.28; the slowest rank's steps within one run varied up to 1.5x); the search had once
-# measured that pair at 104 and 133 and picked the one 4% slower side by side, and once read
-# zero2 and zero1 at 131 and 125, then 126 and 133 (zero1 10% faster side by side). One reading
-# each (a margin of 0.10 until 2026-11-25) or two let such draws decide.
-RETIME_MARGIN = 0.25
+# A runner-up measured within this fraction of the best is timed again, and so is the best, in
+# up to RETIME_ROUNDS more fresh dry runs each, alternated runner-up, best, then best, runner-up
+# (a drift of the machine's load weighs on both alike); each keeps the median of its readings,
+# and the second round runs only if the first left the two within the margin. 4 ranks on 2
+# shared cores, six dry runs each of plain and zero1 data parallelism on search_quality.py's
+# small Llama, alternated, measured 109-133 and 110-141 samples/s (max/min 1.22 and 1.28; the
+# slowest rank's steps within one run varied up to 1.5x); the search had once measured that pair
+# at 104 and 133 and picked the one 4% slower side by side, and once read zero2 and zero1 at 131
+# and 125, then 126 and 133 (zero1 10% faster side by side). One reading each (with a margin of
+# 0.10 until 2026-11-25), or two, let such draws decide.
+RETIME_MARGIN = 0.20
 RETIME_ROUNDS = 2
 # A candidate is dominated by one that needs no more memory and is estimated this many times
 # faster. The step-time estimate (nominal or calibrated rates) orders candidates, it does not
@@ -339,22 +340,26 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
         if result.status == MEASURED and result.measured_peak_bytes is not None:
             fits.add(id(strategy))
     close = _close_call(results) if only is None and not timed_out else []
-    # runner-up, best, best, runner-up, ...: RETIME_ROUNDS more readings of each
-    for strategy, result in (close + close[::-1]) * (RETIME_ROUNDS // 2) + close * (RETIME_ROUNDS % 2):
-        # Timed again over as many steps; the throughput is the median of the readings, the peak
-        # their largest, judged again.
-        remaining = time_left()
-        if not from_rank0(remaining is None or remaining >= last_seconds):
-            break
-        _say(options, f"search: timing {' + '.join(strategy.opt_names) or '(plain)'} again (a close call)")
-        outcome = measure(strategy, result, options.timed_steps, options.dryrun_timeout, remaining)
-        if outcome["reason"] is not None or outcome["timed_steps"] < options.timed_steps:
-            continue  # the readings so far stand
-        result.throughputs = [*(result.throughputs or [result.throughput]), outcome["throughput"]]
-        result.throughput = statistics.median(result.throughputs)
-        peaks = [p for p in (result.measured_peak_bytes, outcome["measured_peak_bytes"]) if p is not None]
-        result.measured_peak_bytes = max(peaks) if peaks else None
-        _judge(result, options)
+    for round_ in range(RETIME_ROUNDS if close else 0):
+        if round_ and _settled(close):
+            break  # the readings so far set the two apart by more than the margin
+        # runner-up then best, then best then runner-up, ...
+        for strategy, result in close if round_ % 2 == 0 else close[::-1]:
+            # Timed again over as many steps; the throughput is the median of the readings, the
+            # peak their largest, judged again.
+            remaining = time_left()
+            if not from_rank0(remaining is None or remaining >= last_seconds):
+                close = []
+                break
+            _say(options, f"search: timing {' + '.join(strategy.opt_names) or '(plain)'} again (a close call)")
+            outcome = measure(strategy, result, options.timed_steps, options.dryrun_timeout, remaining)
+            if outcome["reason"] is not None or outcome["timed_steps"] < options.timed_steps:
+                continue  # the readings so far stand
+            result.throughputs = [*(result.throughputs or [result.throughput]), outcome["throughput"]]
+            result.throughput = statistics.median(result.throughputs)
+            peaks = [p for p in (result.measured_peak_bytes, outcome["measured_peak_bytes"]) if p is not None]
+            result.measured_peak_bytes = max(peaks) if peaks else None
+            _judge(result, options)
     for _, result in results:
         if result.status not in (MEASURED, FAILED):
             result.status = PRUNED
@@ -527,6 +532,12 @@ def _close_call(results) -> list:
     if second.throughput < first.throughput * (1 - RETIME_MARGIN):
         return []
     return [(runner_up, second), (best, first)]
+
+
+def _settled(close) -> bool:
+    """Whether the two candidates of a close call now measure more than RETIME_MARGIN apart."""
+    slower, faster = sorted(result.throughput for _, result in close)
+    return slower < faster * (1 - RETIME_MARGIN)
 
 
 def _pick_winner(results):

@@ -58,3 +58,14 @@ def test_a_search_times_a_close_call_again_and_keeps_the_median(tmp_path, monkey
     # the re-timing alternates: runner-up, best, best, runner-up
     again = order[-2 * engine.RETIME_ROUNDS:]
     assert again[0] == again[3] != again[1] == again[2]
+
+
+def test_a_second_round_runs_only_while_the_two_are_within_the_margin():
+    from atorch.auto.search.engine import _settled
+
+    close = _close_call(_measured(checkpoint=100.0, zero1=100.0 * (1 - RETIME_MARGIN / 2)))
+    assert not _settled(close)
+    close[0][1].throughput = 100.0 * (1 - 2 * RETIME_MARGIN)  # the runner-up's next reading: far behind
+    assert _settled(close)
+    close[0][1].throughput = 120.0  # or far ahead: settled the other way
+    assert _settled(close)
