@@ -67,5 +67,5 @@ def test_a_second_round_runs_only_while_the_two_are_within_the_margin():
     assert not _settled(close)
     close[0][1].throughput = 100.0 * (1 - 2 * RETIME_MARGIN)  # the runner-up's next reading: far behind
     assert _settled(close)
-    close[0][1].throughput = 120.0  # or far ahead: settled the other way
+    close[0][1].throughput = 100.0 / (1 - 2 * RETIME_MARGIN)  # or far ahead: settled the other way
     assert _settled(close)
