@@ -34,14 +34,17 @@ The exhaustive run dry-runs each distinct candidate once (those that planning ma
 this model are counted in "candidates" but run once): 64 of 112 in the first four scenarios, 12
 and 20 in the last two, whose excluded methods keep them small. There the search's own dry runs
 (up to ``max_dryruns``=8) are a large share of the space; the twin rules applied again after
-each measured fit, and shared probe forwards, bring them to 0.17-0.20 (2026-11-24).
+each measured fit, and shared probe forwards, bring them to 0.17-0.20 (2026-11-24). Since every
+dry run got twice as fast (the collector frozen, 2026-11-25), the search's fixed cost (probes, the
+optimizer's step timed) weighs more there: tensor-best read 0.23-0.31 across runs, 0.249 in
+docs/benchmarks.md's.
 
 Wall time on 2 shared cores with 4 ranks: ``--tiny --repeats 2 --steps 2`` takes about 8 minutes
 (exhaustive 34-92 s and search 8-19 s per scenario, plus start-up and timing); its figures only
 show that it runs (its estimates were 0.3-0.5 of the measured peaks while the dry runs counted
-the dataset a batch views, 2 MiB against a toy model's few hundred KiB; not re-measured since). At full size (2026-11-24) the exhaustive runs
-take about 3 minutes on each of the three 4-block Llama scenarios, 12 on deep-narrow and 1 on
-tensor-best and pipeline-best, and the whole benchmark about 40 minutes, so it is best run a
+the dataset a batch views, 2 MiB against a toy model's few hundred KiB; not re-measured since). At full size (2026-11-25) the exhaustive runs
+take 1-1.5 minutes on each of the three 4-block Llama scenarios, 5 on deep-narrow and under one on
+tensor-best and pipeline-best, and the whole benchmark about 16 minutes; it is best run a
 scenario at a time (``--scenarios``, each with its own ``--out``). Before the search released each dry run's copy (2026-11-24), the
 exhaustive run of 64 candidates grew to 6 GB per rank and was killed for memory.
 """
@@ -310,7 +313,7 @@ def report(results: dict, nproc: int, out: str, plot: str | None) -> str:
         picked = "(none)" if r["picked"] is None else _label(r["picked"], nproc)
         body.append([name, budget, space, picked, _label(r["best"], nproc), f"{r['throughput_ratio']:.3f}",
                      f"{r['search_seconds']:.0f}", f"{r['exhaustive_seconds']:.0f}",
-                     f"{r['search_seconds'] / r['exhaustive_seconds']:.2f}", r["fits"], peaks])
+                     f"{r['search_seconds'] / r['exhaustive_seconds']:.3f}", r["fits"], peaks])
     markdown = harness.table(["scenario", "budget/rank", "candidates", "search picked", "exhaustive best",
                               "picked/best throughput", "search s", "exhaustive s", "search/exhaustive time",
                               "fits", "estimated/measured peak"], body)
