@@ -340,9 +340,9 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
         if result.status == MEASURED and result.measured_peak_bytes is not None:
             fits.add(id(strategy))
     close = _close_call(results) if only is None and not timed_out else []
-    for round_ in range(RETIME_ROUNDS if close else 0):
-        if round_ and _settled(close):
-            break  # the readings so far set the two apart by more than the margin
+    for round_ in range(RETIME_ROUNDS):
+        if not close or (round_ and _settled(close)):
+            break  # no close call, out of time, or the readings so far set the two apart
         # runner-up then best, then best then runner-up, ...
         for strategy, result in close if round_ % 2 == 0 else close[::-1]:
             # Timed again over as many steps; the throughput is the median of the readings, the

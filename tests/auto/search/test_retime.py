@@ -69,3 +69,30 @@ def test_a_second_round_runs_only_while_the_two_are_within_the_margin():
     assert _settled(close)
     close[0][1].throughput = 100.0 / (1 - 2 * RETIME_MARGIN)  # or far ahead: settled the other way
     assert _settled(close)
+
+
+def test_a_time_limit_reached_while_re_timing_ends_the_re_timing(tmp_path, monkeypatch):
+    # The first re-timing dry run finds no time left: the search stops re-timing and returns
+    # what it measured (it had gone on to judge an emptied close call and raised).
+    from atorch.auto import auto_accelerate
+    from tests.helpers.models import TinyTransformer, TokenDataset, lm_loss
+
+    monkeypatch.setattr(engine, "RETIME_MARGIN", 1.0)
+    original, closes = engine.from_rank0, engine._close_call
+
+    def close_then_out_of_time(results):
+        picked = closes(results)
+        monkeypatch.setattr(engine, "from_rank0", lambda value: False if isinstance(value, bool) else original(value))
+        return picked
+
+    monkeypatch.setattr(engine, "_close_call", close_then_out_of_time)
+    torch.manual_seed(0)
+    path = tmp_path / "report.json"
+    status, _, _ = auto_accelerate(
+        TinyTransformer(), torch.optim.AdamW, TokenDataset(), lm_loss, optim_args={"lr": 1e-2},
+        dataloader_args={"batch_size": 8}, model_input_format="unpack_dict", report_file=str(path),
+        use_search_cache=False, dryrun_warmup_steps=1, dryrun_steps=2, max_dryruns=4, memory_budget="650KiB",
+    )
+    assert status
+    report = SearchReport.load(path)
+    assert not [c for c in report.candidates if c.throughputs]  # no re-timing ran
