@@ -15,6 +15,23 @@ def _measured(**throughputs):
             for name, value in throughputs.items()]
 
 
+def _search(tmp_path) -> SearchReport:
+    """A search in this one process whose budget (under plain's peak, 672 KiB) lets
+    memory-saving candidates run beside it; its report."""
+    from atorch.auto import auto_accelerate
+    from tests.helpers.models import TinyTransformer, TokenDataset, lm_loss
+
+    torch.manual_seed(0)
+    path = tmp_path / "report.json"
+    status, _, _ = auto_accelerate(
+        TinyTransformer(), torch.optim.AdamW, TokenDataset(), lm_loss, optim_args={"lr": 1e-2},
+        dataloader_args={"batch_size": 8}, model_input_format="unpack_dict", report_file=str(path),
+        use_search_cache=False, dryrun_warmup_steps=1, dryrun_steps=2, max_dryruns=4, memory_budget="650KiB",
+    )
+    assert status
+    return SearchReport.load(path)
+
+
 def test_the_best_and_a_close_runner_up_are_timed_again_runner_up_first():
     results = _measured(checkpoint=100.0, zero1=100.0 * (1 - RETIME_MARGIN / 2), fsdp=50.0)
     assert [s.opt_names for s, _ in _close_call(results)] == [["zero1"], ["checkpoint"]]
@@ -26,11 +43,7 @@ def test_a_clear_winner_or_a_lone_one_is_not_timed_again():
 
 
 def test_a_search_times_a_close_call_again_and_keeps_the_median(tmp_path, monkeypatch):
-    # Every runner-up counts as close here, so the search (one process, in this one) re-times.
-    # The budget is under plain's peak (672 KiB), so memory-saving candidates run beside it.
-    from atorch.auto import auto_accelerate
-    from tests.helpers.models import TinyTransformer, TokenDataset, lm_loss
-
+    # Every runner-up counts as close here, so the search re-times.
     monkeypatch.setattr(engine, "RETIME_MARGIN", 1.0)
     order = []
     measure = engine.dry_run
@@ -40,15 +53,7 @@ def test_a_search_times_a_close_call_again_and_keeps_the_median(tmp_path, monkey
         return measure(pristine, strategy, *args, **kwargs)
 
     monkeypatch.setattr(engine, "dry_run", recorded)
-    torch.manual_seed(0)
-    path = tmp_path / "report.json"
-    status, _, _ = auto_accelerate(
-        TinyTransformer(), torch.optim.AdamW, TokenDataset(), lm_loss, optim_args={"lr": 1e-2},
-        dataloader_args={"batch_size": 8}, model_input_format="unpack_dict", report_file=str(path),
-        use_search_cache=False, dryrun_warmup_steps=1, dryrun_steps=2, max_dryruns=4, memory_budget="650KiB",
-    )
-    assert status
-    report = SearchReport.load(path)
+    report = _search(tmp_path)
     retimed = [c for c in report.candidates if c.throughputs]
     assert len(retimed) == 2, report.table()
     assert report.candidates[report.winner] in retimed
@@ -74,9 +79,6 @@ def test_a_second_round_runs_only_while_the_two_are_within_the_margin():
 def test_a_time_limit_reached_while_re_timing_ends_the_re_timing(tmp_path, monkeypatch):
     # The first re-timing dry run finds no time left: the search stops re-timing and returns
     # what it measured (it had gone on to judge an emptied close call and raised).
-    from atorch.auto import auto_accelerate
-    from tests.helpers.models import TinyTransformer, TokenDataset, lm_loss
-
     monkeypatch.setattr(engine, "RETIME_MARGIN", 1.0)
     original, closes = engine.from_rank0, engine._close_call
 
@@ -86,13 +88,5 @@ def test_a_time_limit_reached_while_re_timing_ends_the_re_timing(tmp_path, monke
         return picked
 
     monkeypatch.setattr(engine, "_close_call", close_then_out_of_time)
-    torch.manual_seed(0)
-    path = tmp_path / "report.json"
-    status, _, _ = auto_accelerate(
-        TinyTransformer(), torch.optim.AdamW, TokenDataset(), lm_loss, optim_args={"lr": 1e-2},
-        dataloader_args={"batch_size": 8}, model_input_format="unpack_dict", report_file=str(path),
-        use_search_cache=False, dryrun_warmup_steps=1, dryrun_steps=2, max_dryruns=4, memory_budget="650KiB",
-    )
-    assert status
-    report = SearchReport.load(path)
+    report = _search(tmp_path)
     assert not [c for c in report.candidates if c.throughputs]  # no re-timing ran
