@@ -279,8 +279,8 @@ def _matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
 
 def _attention_rate(device: torch.device, dtype: torch.dtype) -> float:
     """FLOP/s of causal attention's forward + backward in ``dtype``, counted as the cost model
-    counts a step's: 3 x the forward's FLOPs (FlopCounterMode's) over the time."""
-    from atorch.auto.search.ops import flop_counter
+    counts a step's: 3 x the forward's FLOPs (ops.OpCounter's) over the time."""
+    from atorch.auto.search.ops import OpCounter
 
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(*ATTENTION_SHAPE, generator=generator).to(device, dtype).requires_grad_()
@@ -289,10 +289,9 @@ def _attention_rate(device: torch.device, dtype: torch.dtype) -> float:
     def forward():
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    counter = flop_counter()
-    with counter:
+    with OpCounter() as counter:
         forward()
-    return 3 * counter.get_total_flops() / median_seconds(device, lambda: forward().sum().backward())
+    return 3 * counter.flops / median_seconds(device, lambda: forward().sum().backward())
 
 
 def _autocast_speedup(device: torch.device) -> float:

@@ -216,7 +216,7 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
 
     probe = copy.deepcopy(model)
     counter = _SavedBytes()
-    flop_counter, op_counter = ops.flop_counter(), ops.OpCounter()
+    op_counter = ops.OpCounter()
     try:
         ctx = ModelContext(model=probe, device_ctx=device_ctx, loss_func=loss_func, prepare_input=move_to_device)
         absorbed = absorbed_methods(strategy)
@@ -234,7 +234,7 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
         timeline, forward_end, loss = StepTimeline(probe), 0, None
         watched = [] if on_meta else timeline.watch(probe, _probe_units(probe))
         with timeline:
-            with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), flop_counter, op_counter:
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), op_counter:
                 output = run_model(ctx.model, batch, model_input_format)
                 if loss_func is not None:
                     loss = loss_func(batch, output)
@@ -264,8 +264,8 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
     finally:  # a probe that raised is given back too
         free_copy(probe)
     if counts is not None:
-        counts.extend([flop_counter.get_total_flops(), op_counter.count, profile, counter.packed, spans,
-                       ops.attention_flops(flop_counter)])
+        counts.extend([op_counter.flops, op_counter.count, profile, counter.packed, spans,
+                       op_counter.attention_flops])
     saved = counter.by_dtype
     if on_meta:
         # Meta tensors show what a method does to shapes, not to dtypes (autocast does nothing on

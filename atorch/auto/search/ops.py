@@ -1,20 +1,16 @@
-"""Counting the operators a piece of code dispatches: the cost model charges each a calibrated
-overhead (the Python call, the dispatcher, autograd's record), which is most of a small model's
-step on a CPU, where FLOPs alone rank candidates poorly (docs/search.md)."""
+"""Counting what a piece of code dispatches: its aten operators, which the cost model charges a
+calibrated overhead each (the Python call, the dispatcher, autograd's record; most of a small
+model's step on a CPU, where FLOPs alone rank candidates poorly, docs/search.md), and its FLOPs by
+torch's formulas (``torch.utils.flop_counter``), attention's apart.
+
+One dispatch mode counts both. torch's ``FlopCounterMode`` also attributes every FLOP to the
+modules that run it, which hooks every module's forward and backward: 13.5 of a probe's 54 ms on
+a 4-block Llama (a search probes every method combination). The totals are the same
+(tests/auto/search/test_ops.py)."""
+
+import functools
 
 from torch.utils._python_dispatch import TorchDispatchMode
-
-
-class OpCounter(TorchDispatchMode):
-    """``with OpCounter() as ops: model(x)``; then ``ops.count``: the aten operators dispatched."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _cpu_flash_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
@@ -23,17 +19,41 @@ def _cpu_flash_attention_flops(query_shape, key_shape, value_shape, *args, out_s
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
-def flop_counter():
-    """A FlopCounterMode that also counts the CPU's fused attention kernel, which torch's table
-    leaves out: without it a probe on a CPU counted none of a Llama's attention FLOPs."""
+@functools.cache
+def _formulas() -> tuple[dict, frozenset]:
+    """torch's FLOP formulas by operator (plus the CPU's fused attention kernel, which torch's
+    table leaves out: without it a probe on a CPU counted none of a Llama's attention FLOPs), and
+    the operators among them that are attention's."""
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils.flop_counter import flop_registry, shape_wrapper
 
     cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    return FlopCounterMode(display=False, custom_mapping={cpu_flash: _cpu_flash_attention_flops})
+    formulas = {**flop_registry, cpu_flash: shape_wrapper(_cpu_flash_attention_flops)}
+    attention = frozenset(op for op in formulas if "scaled_dot_product" in str(op))
+    return formulas, attention
 
 
-def attention_flops(counter) -> float:
-    """The FLOPs a :func:`flop_counter` counted in attention kernels (scaled_dot_product_attention's)."""
-    by_op = counter.get_flop_counts().get("Global", {})
-    return float(sum(flops for op, flops in by_op.items() if "scaled_dot_product" in str(op)))
+class OpCounter(TorchDispatchMode):
+    """``with OpCounter() as ops: model(x)``; then ``ops.count``: the aten operators dispatched,
+    ``ops.flops``: their FLOPs, ``ops.attention_flops``: those of attention kernels
+    (scaled_dot_product_attention's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.flops = 0
+        self.attention_flops = 0
+        self._formulas, self._attention = _formulas()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.count += 1
+        out = func(*args, **kwargs)
+        op = func._overloadpacket
+        formula = self._formulas.get(op)
+        if formula is not None:
+            flops = formula(*args, **kwargs, out_val=out)
+            self.flops += flops
+            if op in self._attention:
+                self.attention_flops += flops
+        return out

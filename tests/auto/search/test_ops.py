@@ -1,0 +1,67 @@
+"""ops.OpCounter counts FLOPs as torch's FlopCounterMode does (with the CPU's fused attention
+kernel added to its table), without FlopCounterMode's per-module bookkeeping: the same total and
+the same attention share, on the models a search probes."""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from atorch.auto.search import ops
+from atorch.methods.checkpoint import CheckpointedForward
+from tests.helpers.hf import VOCAB, tiny_llama
+
+
+def _torch_counts(run) -> tuple[int, int, int]:
+    """torch's FlopCounterMode (the CPU kernel mapped as ops maps it) around the operator count."""
+    cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    flops = FlopCounterMode(display=False, custom_mapping={cpu_flash: ops._cpu_flash_attention_flops})
+    with flops, ops.OpCounter() as counted:
+        run()
+    by_op = flops.get_flop_counts()["Global"]
+    attention = sum(n for op, n in by_op.items() if "scaled_dot_product" in str(op))
+    return flops.get_total_flops(), attention, counted.count
+
+
+def _counts(run) -> tuple[int, int, int]:
+    with ops.OpCounter() as counted:
+        run()
+    return counted.flops, counted.attention_flops, counted.count
+
+
+def _llama(checkpointed: bool):
+    model = tiny_llama()
+    if checkpointed:
+        for layer in model.model.layers:
+            layer.forward = CheckpointedForward(layer.forward, use_reentrant=False)
+    return model
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_a_llamas_step_counts_as_torchs_flop_counter(amp, checkpointed):
+    model = _llama(checkpointed)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()  # a checkpointed block's forward again, under the counter
+
+    mine, theirs = _counts(run), _torch_counts(run)
+    assert mine == theirs
+    flops, attention, count = mine
+    assert 0 < attention < flops and count > 0  # the CPU's attention kernel is counted
+
+
+def test_an_mlps_forward_and_backward_count_as_torchs_flop_counter():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    x = torch.randn(4, 16)
+
+    def run():
+        model(x).square().mean().backward()
+
+    assert _counts(run) == _torch_counts(run)
+    # two matmuls forward; backward: the second layer's input and weight gradients, the first's
+    # weight gradient (x needs none); each 2 x 4 x 16 x 64
+    assert _counts(run)[0] == 5 * 2 * 4 * 16 * 64
