@@ -128,6 +128,8 @@ class MethodSpec:
     cost_term: Callable[[MethodConfig, Any], None] | None = None
     # False: the cost model's activation probe does not run this method's hooks on its copy of
     # the model (they need the process mesh or a GPU); its ``cost_term`` says what it changes.
+    # A probed hook must not call a collective: the ranks share a search's probes out, each
+    # running different ones (atorch/auto/search/share.py).
     probed: bool = True
     # ``(model) -> [module names]``: the units whose activations the cost model's probe records
     # one by one (atorch.auto.search.timeline.UnitSpan, in ``StepCost.unit_spans``) for this

@@ -83,6 +83,8 @@ register_method(
         hooks={Stage.REWRITE: split, Stage.RUNTIME: wrap},
         description="DeepSpeed pipeline engine (PipelineModule) over the pipeline and data dims",
         distributed_only=True,
+        # its split builds DeepSpeed's process groups (collectives), which a probe cannot call
+        probed=False,
         uses_dims=("pipeline",),
         needs_dims=("pipeline",),
         conflicts={

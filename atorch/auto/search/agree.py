@@ -59,6 +59,23 @@ def max_each(*values: float) -> list[float]:
     return data.tolist()
 
 
+def agreed(first, *values: float | None) -> tuple:
+    """Rank 0's ``first``, then the largest of each of ``values`` over ranks (None where any rank
+    has None), in one collective."""
+    rows = gathered((first, values))
+    columns = zip(*(each for _, each in rows))
+    return (rows[0][0], *(None if any(v is None for v in column) else max(column) for column in columns))
+
+
+def gathered(obj) -> list:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if not _active():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj, group=agreement_group())
+    return out
+
+
 def from_rank0(obj):
     """Rank 0's ``obj`` on every rank."""
     if not _active():

@@ -330,18 +330,47 @@ def _applied(strategy: Strategy, stages) -> tuple:
     return tuple(applied)
 
 
+@dataclass(frozen=True)
+class ProbeFailed:
+    """A probe that raised, kept in the memo in its place (it ran on another rank)."""
+
+    error: str
+
+
+def probe_key(strategy: Strategy, batch: Any, stages) -> tuple:
+    """What a probe depends on besides the model: the batch (by id: keep it alive) and what the
+    probe applies, so candidates that differ only in what a probe does not apply (sharding,
+    layouts) share one, and a checkpointed candidate's forward without checkpointing is its plain
+    twin's."""
+    return (id(batch), _applied(strategy, stages))
+
+
+def probe_stages(strategy: Strategy) -> list[tuple]:
+    """The stages of the probes :func:`activation_bytes` may run for ``strategy``: every probed
+    stage, and the rewrites alone when a memory hook applies (a checkpointed forward's operators
+    are the plain forward's)."""
+    stages = [PROBED_STAGES]
+    if _applied(strategy, (Stage.REWRITE,)) != _applied(strategy, PROBED_STAGES):
+        stages.append((Stage.REWRITE,))
+    return stages
+
+
+def probe_once(model, strategy, batch, model_input_format, loss_func, device_ctx, stages) -> tuple:
+    """One probe (:func:`_saved_bytes`): its value and its counts, as the memo keeps them."""
+    counted: list = []
+    return _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, stages, counted), counted
+
+
 def _probe(memo: dict | None, model, strategy, batch, model_input_format, loss_func, device_ctx, stages,
            counts: list | None = None) -> tuple[int, int]:
-    """:func:`_saved_bytes`, run once per batch and applied methods when ``memo`` is a dict: all
-    that a probe depends on besides the model, so candidates that differ only in what a probe does
-    not apply (sharding, layouts) share one, and a checkpointed candidate's forward without
-    checkpointing is its plain twin's. The memo holds ``batch`` by id: keep the batch alive."""
+    """:func:`_saved_bytes`, run once per :func:`probe_key` when ``memo`` is a dict (which a search
+    may have filled beforehand, its probes shared out over the ranks)."""
     memo = {} if memo is None else memo
-    key = (id(batch), _applied(strategy, stages))
+    key = probe_key(strategy, batch, stages)
     if key not in memo:
-        counted: list = []
-        memo[key] = _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, stages,
-                                 counted), counted
+        memo[key] = probe_once(model, strategy, batch, model_input_format, loss_func, device_ctx, stages)
+    if isinstance(memo[key], ProbeFailed):
+        raise RuntimeError(f"the probe failed: {memo[key].error}")
     value, counted = memo[key]
     if counts is not None:
         counts.extend(counted)

@@ -1,5 +1,6 @@
 """The fully automatic search: candidates -> cost model -> dry runs -> the winner."""
 
+import functools
 import statistics
 import time
 from collections import Counter
@@ -13,10 +14,11 @@ from atorch.auto.environment import DeviceContext
 from atorch.auto.plan import resolve_strategy
 from atorch.auto.registry import all_methods, get_method
 from atorch.auto.search import cost
-from atorch.auto.search.agree import from_rank0, max_over_ranks
+from atorch.auto.search.agree import agreed, from_rank0
 from atorch.auto.search.calibrate import cached_rates
 from atorch.auto.search.dryrun import collector_frozen, dry_run
 from atorch.auto.search.report import FAILED, MEASURED, PRUNED, CandidateResult, SearchReport, size_text
+from atorch.auto.search.share import run_shared
 from atorch.auto.search.space import candidate_space, layout_space, layout_text
 from atorch.auto.strategy import Strategy
 from atorch.distributed.topology import DATA_PARALLEL_DIMS, data_parallel_size
@@ -183,12 +185,14 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
     # data-parallel size (search_quality's tensor-best: 12 s of search before, 7 s after).
     probed_dp = max((data_parallel_size(layout_dims(s, device_ctx.world_size)) for s in candidates), default=1)
 
+    def probed_batch(dims: dict[str, int]):
+        return micro_batch(max(probed_dp, data_parallel_size(dims)))
+
     def probe(strategy: Strategy, counts: list, dims: dict[str, int]) -> tuple[int, int]:
-        dp_size = data_parallel_size(dims)
-        tokens = cost.batch_tokens(micro_batch(dp_size))
-        batch = micro_batch(max(probed_dp, dp_size))
+        tokens = cost.batch_tokens(micro_batch(data_parallel_size(dims)))
+        batch = probed_batch(dims)
         scale = tokens / max(cost.batch_tokens(batch), 1)
-        # Every rank probes (a forward slower than dryrun_timeout on any rank fails its candidate here).
+        # From the probes the ranks shared out below; one left out there (time_limit) runs here, on every rank.
         counted: list = []
         with quiet():
             saved = cost.activation_bytes(model, strategy, batch, probe_ctx.model_input_format, probe_ctx.loss_func,
@@ -211,10 +215,15 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
         late = options.time_limit is not None and time.perf_counter() - start >= options.time_limit
         return from_rank0(late)
 
+    # As planned for this model (a method that would change nothing on it is dropped), so the
+    # report names what would run, and candidates that are the same here run once.
+    candidates = [_resolved(model, strategy) for strategy in candidates]
+    # The ranks share the probes out (each probe gives the same answer on every rank), candidates
+    # in order; a probe slower than dryrun_timeout on the rank that ran it fails its candidates.
+    probe_keys, probe_seconds = _share_probes(model, candidates, probed_batch, probe_ctx, device_ctx, probes,
+                                              out_of_time)
+
     for strategy in candidates:
-        # As planned for this model (a method that would change nothing on it is dropped), so the
-        # report names what would run, and candidates that are the same here run once.
-        strategy = _resolved(model, strategy)
         dims = layout_dims(strategy, device_ctx.world_size)
         text = layout_text(dims.items(), _layout_config(strategy))
         if any(s == strategy for s, _ in results):
@@ -231,15 +240,17 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
                                           optim_rate)
         if estimate is not None:
             estimate.profile = rates
-        # Decisions use agreed values only, so every rank prunes and runs the same candidates.
-        result = CandidateResult(strategy.to_dict(), reason=from_rank0(reason), layout=text)
+        memory = None if estimate is None else estimate.memory()
+        # Decisions use agreed values only, so every rank prunes and runs the same candidates: rank
+        # 0's reason, the largest peak and step time (none where a rank has no estimate), the
+        # slowest rank's seconds, all in one agreement.
+        reason, total, step_seconds, estimate_seconds[id(strategy)] = agreed(
+            reason, None if memory is None else memory.total, None if estimate is None else estimate.seconds(),
+            time.perf_counter() - began + sum(probe_seconds.get(key, 0.0) for key in probe_keys.get(id(strategy), ())))
+        result = CandidateResult(strategy.to_dict(), reason=reason, layout=text)
         if result.reason is not None:
             result.pruned_by = CONFIG_ERROR
-        memory = None if estimate is None else estimate.memory()
         ratios[id(result)] = cost.candidate_ratio(ratio, estimate)
-        total = max_over_ranks(None if memory is None else memory.total)
-        # Rank 0 has waited in that agreement for the slowest rank's estimate: its clock is the candidate's.
-        estimate_seconds[id(strategy)] = from_rank0(time.perf_counter() - began)
         if result.reason is None and estimate_seconds[id(strategy)] > options.dryrun_timeout:
             # dryrun_timeout bounds the whole candidate: a forward this slow cannot finish a dry run.
             result.status, result.seconds = FAILED, estimate_seconds[id(strategy)]
@@ -248,7 +259,7 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
         if total is not None:
             result.estimated_peak_bytes = int(total)
             result.estimate_breakdown = memory.as_dict()
-            result.estimated_step_seconds = max_over_ranks(estimate.seconds())
+            result.estimated_step_seconds = step_seconds
             # Only what is over the budget beyond the estimate's known error is pruned: a
             # candidate near the boundary is dry-run, and its measured peak decides.
             if result.reason is None and cost.surely_over(result.estimated_peak_bytes, budget, ratio):
@@ -387,6 +398,29 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
         report.note = _no_winner_note(results, options, timed_out)
     torch.set_rng_state(rng)  # the search does not change the user's random stream
     return (None if winner is None else winner[0]), report
+
+
+def _share_probes(model, candidates: list[Strategy], probed_batch, probe_ctx: ModelContext, device_ctx, memo: dict,
+                  out_of_time) -> tuple[dict[int, list], dict]:
+    """Run the probes ``candidates`` need over the ranks into ``memo`` (:func:`share.run_shared`).
+    Returns the probes' keys per candidate (by ``id``) and each probe's seconds."""
+    keys: dict[int, list] = {}
+    jobs: dict = {}
+    for strategy in candidates:
+        try:
+            with quiet():
+                planned = resolve_strategy(model, strategy)
+        except Exception:  # noqa: BLE001 - a config error: the candidate's estimate records it
+            continue
+        batch = probed_batch(layout_dims(strategy, device_ctx.world_size))
+        keys[id(strategy)] = []
+        for stages in cost.probe_stages(planned):
+            key = cost.probe_key(planned, batch, stages)
+            keys[id(strategy)].append(key)
+            jobs.setdefault(key, functools.partial(cost.probe_once, model, planned, batch, probe_ctx.model_input_format,
+                                                   probe_ctx.loss_func, device_ctx, stages))
+    with quiet():
+        return keys, run_shared(list(jobs.items()), memo, out_of_time)
 
 
 def _is_baseline(strategy: Strategy, world_size: int) -> bool:
