@@ -235,3 +235,25 @@ def test_an_interleaved_rank_holds_more_than_its_1f1b_microbatches():
     assert worst == pytest.approx(5 * 0.2 / 4)
     assert max(a for a, _, _ in _stage_moments(spans, [["a", "b"], ["c", "d"]], 2, 4, "1f1b")) == pytest.approx(
         2 * 0.4 / 4)
+
+
+def test_a_later_backward_holds_the_low_precision_gradients_of_the_weight_copies():
+    """With each unit's parameters, a stage's second and later backwards add a moment per unit:
+    the running microbatch's activations as the probe had them in that unit's backward, and the
+    copies' gradients of that unit and the units after it (a copies share of 1 + their share)."""
+    from atorch.auto.search.timeline import UnitSpan
+    from atorch.methods.pipeline_parallel import _stage_moments
+
+    spans = (UnitSpan("a", 0.2, 0.2, 0.3), UnitSpan("b", 0.3, 0.5, 0.6), UnitSpan("c", 0.5, 1.0, 1.1))
+    ranges = [["a"], ["b", "c"]]
+    plain = _stage_moments(spans, ranges, 2, 2, "1f1b")
+    moments = _stage_moments(spans, ranges, 2, 2, "1f1b", {"a": 10, "b": 30, "c": 10})
+    # stage 0 holds both microbatches (1F1B with 2): none besides the running one after its
+    # second backward, which has a's 0.2 + 0.1 alive; stage 1 holds one: in c's backward 0.9 of
+    # the step (b's and c's kept, 0.1 more), c's copies' gradients (a quarter of the stage's); in
+    # b's, b's 0.3 + 0.1 (c's freed), every copy's gradient
+    pile = [pytest.approx(m) for m in ((0.3 / 2, 1.0, 2.0), (0.9 / 2, 1.0, 1.25), (0.4 / 2, 1.0, 2.0))]
+    assert list(moments) == [*plain[:2], pile[0], plain[2], *pile[1:]]
+    # one microbatch: no later backward
+    assert _stage_moments(spans, ranges, 2, 1, "1f1b", {"a": 10, "b": 30, "c": 10}) == \
+        _stage_moments(spans, ranges, 2, 1, "1f1b")
