@@ -240,13 +240,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(device: torch.device, run, group=None, batch: int = 1) -> float:
-    """Median wall time of ``run()`` over REPEATS (after one warm-up), the slowest rank's; each
-    repetition runs it ``batch`` times and counts the mean. With ``group``, its ranks start each
-    repetition together."""
-    run()
+def median_seconds(device: torch.device, run, group=None, batch: int = 1, repeats: int = REPEATS,
+                   warmup: bool = True) -> float:
+    """Median wall time of ``run()`` over ``repeats`` (after one warm-up, unless the caller ran it
+    already), the slowest rank's; each repetition runs it ``batch`` times and counts the mean.
+    With ``group``, its ranks start each repetition together."""
+    if warmup:
+        run()
     times = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         if group is not None:
             dist.barrier(group=group)
         _sync(device)

@@ -117,12 +117,15 @@ def optimizer_state_factor(optim_func, optim_args: dict) -> float:
 
 
 OPTIMIZER_PROBE_ELEMENTS = (2**18, 2**21)  # fp32 elements of the two parameters whose steps are timed
+# Timed steps of each, after the step that creates the state (which warms it up): every search
+# pays for them, 0.21-0.30 s of search_quality's tensor-best search with 5 and a warm-up step more.
+OPTIMIZER_REPEATS = 3
 
 
 def optimizer_seconds_per_byte(optim_func, optim_args: dict, device: torch.device) -> float:
     """Seconds the optimizer's step takes per byte of fp32 parameter it updates, timed on this
-    device: the slope between the steps of a 1 MiB and an 8 MiB parameter (each the calibration's
-    median, the slowest rank's, after the step that creates the state), so a fixed cost per step (a GPU's launches) is not
+    device: the slope between the steps of a 1 MiB and an 8 MiB parameter (each the median of
+    OPTIMIZER_REPEATS, the slowest rank's, after the step that creates the state), so a fixed cost per step (a GPU's launches) is not
     scaled up with the model. 0 when it cannot be timed (no optimizer, or one that needs more
     than parameters and a gradient)."""
     if optim_func is None:
@@ -143,8 +146,8 @@ def _optimizer_step_seconds(optim_func, optim_args: dict, device: torch.device, 
     param = torch.nn.Parameter(torch.zeros(elements, device=device))
     param.grad = torch.full_like(param, 1e-3)
     optim = optim_func([param], **optim_args)
-    optim.step()  # creates the state
-    return median_seconds(device, optim.step)
+    optim.step()  # creates the state, and warms up
+    return median_seconds(device, optim.step, repeats=OPTIMIZER_REPEATS, warmup=False)
 
 
 def _largest_unit_bytes(model: torch.nn.Module, unit_classes: list[str]) -> int:

@@ -211,9 +211,11 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
     estimate_seconds: dict[int, float] = {}  # id(strategy) -> seconds its estimate took (agreed)
     ratios: dict[int, tuple[float, float]] = {}  # id(result) -> its estimate's error bounds
 
+    def past_limit() -> bool:  # on this rank's clock: rank 0's decides, through an agreement
+        return options.time_limit is not None and time.perf_counter() - start >= options.time_limit
+
     def out_of_time() -> bool:
-        late = options.time_limit is not None and time.perf_counter() - start >= options.time_limit
-        return from_rank0(late)
+        return from_rank0(past_limit())
 
     # As planned for this model (a method that would change nothing on it is dropped), so the
     # report names what would run, and candidates that are the same here run once.
@@ -222,6 +224,7 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
     # in order; a probe slower than dryrun_timeout on the rank that ran it fails its candidates.
     probe_keys, probe_seconds = _share_probes(model, candidates, probed_batch, probe_ctx, device_ctx, probes,
                                               out_of_time)
+    late = out_of_time()  # then learnt with each candidate's agreement (one collective a candidate)
 
     for strategy in candidates:
         dims = layout_dims(strategy, device_ctx.world_size)
@@ -230,7 +233,7 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
             results.append((strategy, CandidateResult(strategy.to_dict(), reason=DUPLICATE, layout=text,
                                                       pruned_by=SYMMETRIC)))
             continue
-        if results and out_of_time():
+        if results and late:
             timed_out = True
             results.append((strategy, CandidateResult(strategy.to_dict(), reason="not estimated: time_limit reached",
                                                       layout=text, pruned_by=TIME_LIMIT)))
@@ -242,10 +245,11 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
             estimate.profile = rates
         memory = None if estimate is None else estimate.memory()
         # Decisions use agreed values only, so every rank prunes and runs the same candidates: rank
-        # 0's reason, the largest peak and step time (none where a rank has no estimate), the
-        # slowest rank's seconds, all in one agreement.
-        reason, total, step_seconds, estimate_seconds[id(strategy)] = agreed(
-            reason, None if memory is None else memory.total, None if estimate is None else estimate.seconds(),
+        # 0's reason and whether its clock is past the time limit, the largest peak and step time
+        # (none where a rank has no estimate), the slowest rank's seconds, all in one agreement.
+        (reason, late), total, step_seconds, estimate_seconds[id(strategy)] = agreed(
+            (reason, past_limit()), None if memory is None else memory.total,
+            None if estimate is None else estimate.seconds(),
             time.perf_counter() - began + sum(probe_seconds.get(key, 0.0) for key in probe_keys.get(id(strategy), ())))
         result = CandidateResult(strategy.to_dict(), reason=reason, layout=text)
         if result.reason is not None:
