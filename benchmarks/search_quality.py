@@ -37,7 +37,7 @@ and 20 in the last two, whose excluded methods keep them small. There the search
 each measured fit, and shared probe forwards, bring them to 0.17-0.20 (2026-11-24). Since every
 dry run got twice as fast (the collector frozen, 2026-11-25), the search's fixed cost (probes, the
 optimizer's step timed) weighs more there: tensor-best read 0.23-0.31 across runs; with the probes
-shared out over the ranks and one agreement per estimate, 0.217-0.233 (docs/benchmarks.md).
+shared out over the ranks and one agreement per estimate, 0.213-0.240 (docs/benchmarks.md).
 
 Wall time on 2 shared cores with 4 ranks: ``--tiny --repeats 2 --steps 2`` takes about 8 minutes
 (exhaustive 34-92 s and search 8-19 s per scenario, plus start-up and timing); its figures only
