@@ -20,15 +20,21 @@ def _cpu_flash_attention_flops(query_shape, key_shape, value_shape, *args, out_s
 
 
 @functools.cache
-def _formulas() -> tuple[dict, frozenset]:
-    """torch's FLOP formulas by operator (plus the CPU's fused attention kernel, which torch's
-    table leaves out: without it a probe on a CPU counted none of a Llama's attention FLOPs), and
-    the operators among them that are attention's."""
-    import torch
-    from torch.utils.flop_counter import flop_registry, shape_wrapper
+def _cpu_flash_formula():
+    from torch.utils.flop_counter import shape_wrapper
 
-    cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    formulas = {**flop_registry, cpu_flash: shape_wrapper(_cpu_flash_attention_flops)}
+    return shape_wrapper(_cpu_flash_attention_flops)
+
+
+def _formulas() -> tuple[dict, frozenset]:
+    """torch's FLOP formulas by operator as they stand now (``register_flop_formula`` may add
+    some), plus the CPU's fused attention kernel, which torch's table leaves out (without it a
+    probe on a CPU counted none of a Llama's attention FLOPs); and the operators among them that
+    are attention's."""
+    import torch
+    from torch.utils.flop_counter import flop_registry
+
+    formulas = {**flop_registry, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_formula()}
     attention = frozenset(op for op in formulas if "scaled_dot_product" in str(op))
     return formulas, attention
 
