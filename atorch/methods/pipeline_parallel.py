@@ -227,8 +227,8 @@ def pipeline_terms(cost, config: PipelineFields, stages: int) -> None:
     cost.stage_share *= share
     m, v = config.num_microbatches, config.virtual_pipeline_size
     schedule = check_schedule(config.schedule, v)
-    params = {name: sum(p.numel() for p in module.parameters()) for name, module in cost.model.named_modules()
-              if any(span.name == name for span in cost.unit_spans)}
+    params = {span.name: sum(p.numel() for p in cost.model.get_submodule(span.name).parameters())
+              for span in cost.unit_spans}
     moments = _stage_moments(cost.unit_spans, ranges, stages, m, schedule, params)
     if moments is None:  # no spans (meta tensors, a probe that did not see the units): the first
         # stage's microbatches in flight, each with the rank's share of the activations
