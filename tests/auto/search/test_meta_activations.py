@@ -1,0 +1,78 @@
+"""Activations counted on the meta device (what `atorch plan` sees) are what autograd keeps, never
+the weights: checked against the real-tensor probe, a measured CPU peak, and Korthikanti et al.'s
+count for a 7B model."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from atorch.auto.environment import DeviceContext
+from atorch.auto.plan import resolve_strategy
+from atorch.auto.search import cost, measure
+from atorch.auto.search.attention import FlashAttentionProbe
+from atorch.auto.strategy import Strategy
+
+CPU = DeviceContext(1, 1, torch.device("cpu"), None, 2**30)
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "plans"
+
+
+def _meta_saved(model, methods, batch: int, seq: int) -> int:
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    strategy = resolve_strategy(model, Strategy(methods))
+    with FlashAttentionProbe():  # the kernel a CPU (and an H100) runs for unmasked causal attention
+        return cost.activation_bytes(model, strategy, {"input_ids": ids, "labels": ids}, "unpack_dict", None, CPU)
+
+
+def test_a_weights_transpose_saved_by_linear_is_not_an_activation():
+    # F.linear saves weight.t() for backward: a view of the parameter, not a Parameter itself.
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(1024, 1024, bias=False))
+        x = torch.zeros(1, 1024, requires_grad=True)
+    saved = cost.activation_bytes(model, Strategy(), x, None, None, CPU)
+    # the input of each Linear (1 x 1024 fp32), not the 4 MiB weights
+    assert saved == 2 * 1024 * 4
+
+
+def _llama(device: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("methods", [[], ["checkpoint"]], ids=["plain", "checkpoint"])
+def test_a_plan_on_meta_matches_the_real_probe_and_the_measured_peak(methods):
+    """As `atorch plan` does: one sequence probed on meta tensors, scaled to the batch. With the
+    weights counted as activations the plain estimate was 1.9x the measured peak."""
+    from tests.helpers.hf import CountingTokens
+
+    batch, seq = 16, 64
+    report = measure(_llama("cpu"), [methods], torch.optim.AdamW, CountingTokens(64, seq), lambda b, out: out.loss,
+                     optim_args={"lr": 1e-3}, dataloader_args={"batch_size": batch},
+                     model_input_format="unpack_dict", timed_steps=1)
+    real = report.candidates[0]
+    model = _llama("meta")
+    strategy = resolve_strategy(model, Strategy(methods))
+    planned = cost.build_cost(model, strategy, {"data": 1}, 2.0, _meta_saved(model, methods, 1, seq) * batch).memory()
+    assert 0.95 <= planned.total / real.estimated_peak_bytes <= 1.05, (planned.total, real.estimated_peak_bytes)
+    assert 0.9 <= planned.total / real.measured_peak_bytes <= 1.1, (planned.total, real.measured_peak_bytes)
+
+
+def test_7b_activations_per_sequence_are_within_korthikantis_count():
+    """Korthikanti et al. 2022 (arXiv 2205.05198), 16-bit activations without recomputation and
+    with a fused attention kernel (no s x s term): 34 s b h bytes per layer, 17.0 GiB for Llama-2
+    7B at s = 4096. Llama's gated MLP (11008 wide, 3 matrices) and the logits make it larger."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**json.loads((DOCS / "llama7b.json").read_text()))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    seq, hidden, layers = 4096, config.hidden_size, config.num_hidden_layers
+    saved = _meta_saved(model, [("amp_native", "bf16")], 1, seq)
+    korthikanti = 34 * seq * hidden * layers
+    assert 0.8 <= saved / korthikanti <= 1.3, saved / 2**30
