@@ -98,38 +98,68 @@ def step_locally(ctx: ModelContext, config: FsdpConfig) -> None:
     fsdp2.local_shard_step(ctx, "fsdp")
 
 
-def compute_dtype_share(cost) -> float:
-    """Bytes per element of FSDP2's unsharded parameters and gradients over the model's own: amp's
-    2 bytes under amp_native (which FSDP2 absorbs through its mixed-precision policy), else 1."""
-    if "amp_native" not in cost.methods:
+def compute_dtype_share(cost, dtype: torch.dtype | None = None) -> float:
+    """Bytes per element of FSDP2's unsharded parameters and gradients over the model's own:
+    ``dtype``'s (a policy's param_dtype), amp's 2 bytes under amp_native (which FSDP2 absorbs
+    through its mixed-precision policy), else 1."""
+    itemsize = dtype.itemsize if dtype is not None else 2 if "amp_native" in cost.methods else None
+    if itemsize is None:
         return 1.0
     numel = sum(p.numel() for p in cost.model.parameters()) or 1
-    return min(1.0, 2 / (cost.param_bytes() * cost.weight_scale / numel))
+    return min(1.0, itemsize / (cost.param_bytes() * cost.weight_scale / numel))
+
+
+def unit_bytes(model: torch.nn.Module, config: FsdpConfig) -> tuple[list[int], int]:
+    """Parameter bytes of each unit :func:`shard` makes (without the units nested in it), and of
+    the root's own: whatever no unit holds (a Llama's embedding, final norm and head)."""
+    names = fsdp2.choose_units(model, config.atorch_wrap_cls, config.atorch_size_based_min_num_params,
+                               config.atorch_ignored_cls, config.wrap_trainable_outmost)
+    claimed: set[int] = set()
+    units = []
+    for name in names:  # innermost first: a unit does not hold what a unit inside it holds
+        params = [p for p in model.get_submodule(name).parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in params)
+        units.append(sum(p.numel() * p.element_size() for p in params))
+    root = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in claimed)
+    return units, root
 
 
 def cost_term(config: FsdpConfig, cost) -> None:
-    from atorch.auto.search.cost import largest_unit_bytes
-
     cost.shard_over_data(params=True, grads=True, optim=True)
     cost.grad_buckets = False  # it replaces DDP
     cost.step_temp = cost.stepped  # the local step runs foreach kernels over the shards (local_step.py)
-    # The unit running and the one prefetched are whole on every rank; in backward, so are the
-    # gradients of the unit running and of the one being reduced (on search_quality's small
-    # Llama, 4 ranks, checkpoint + fsdp peaks in backward with both: estimated 0.82 of its
-    # measured peak without them).
-    unit = largest_unit_bytes(cost.model, list(config.atorch_wrap_cls or [])) * cost.weight_scale * cost.split
-    cost.gathered += 2 * unit
-    low = compute_dtype_share(cost)  # under amp the unsharded gradients come in amp's 2-byte dtype
-    cost.unit_grads += 2 * unit * low
+    low = compute_dtype_share(cost, config.param_dtype)  # gathered parameters and their gradients
+    # the reduce-scatter's dtype: the policy's reduce_dtype (fp32 under amp), else param_dtype
+    reduce = config.reduce_dtype or (config.param_dtype if "amp_native" not in cost.methods else torch.float32)
+    units, root = unit_bytes(cost.model, config)
+    scale = cost.weight_scale * cost.split
+    unit, root = max(units, default=0) * scale * low, root * scale * low
+    # The root is gathered from the first forward to the end of forward, and again through all
+    # of backward, where its gradients (the head's come first) stay whole until its
+    # reduce-scatter, the last. Besides it, the unit running and the one prefetched are whole;
+    # with reshard_after_forward=False every unit stays whole from its forward to its backward.
+    # In backward, so are the gradients of the unit running and of the one being reduced (on
+    # search_quality's small Llama, 4 ranks, checkpoint + fsdp peaks in backward with both:
+    # estimated 0.82 of its measured peak without them).
+    kept = sum(units) * scale * low if not config.reshard_after_forward else 2 * unit
+    cost.gathered += root + kept
+    cost.unit_grads += root + 2 * unit
     cost.whole_grads = cost.grads * cost.dp_size * low
-    cost.data_sync = {"params": 2, "grads": 1}  # all-gather in forward and backward, reduce-scatter
+    # A unit's reduce-scatter copies its whole gradients into a flat buffer in the reduce dtype:
+    # both exist at once at the end of its backward (the root's, the last, is often the largest:
+    # a Llama's embedding and head), with the activations mostly gone.
+    share = compute_dtype_share(cost, reduce)
+    cost.reduce_temp = max(root, unit) * (1 + share / low)
+    # all-gather in forward and again in backward (once when kept whole), reduce-scatter
+    cost.data_sync = {"params": 2 if config.reshard_after_forward else 1, "grads": 1}
+    # gathered in the policy's param_dtype (amp's dtype under amp), reduced in its reduce_dtype
+    # (fp32 under amp; param_dtype when only that is set)
+    cost.sync_share = {"all_gather": low, "reduce_scatter": share}
     # unit by unit (the root is one too), on this rank's pipeline stages
-    units = len(fsdp2.choose_units(cost.model, config.atorch_wrap_cls, config.atorch_size_based_min_num_params,
-                                   config.atorch_ignored_cls, config.wrap_trainable_outmost)) + 1
-    units = max(1.0, units * cost.stage_share)
+    calls = max(1.0, (len(units) + 1) * cost.stage_share)
     # (the root too: atorch passes reshard_after_forward to every unit, so FSDP2 does not keep the
     # root whole as it does when the value is left to it)
-    cost.sync_calls = {"all_gather": units * (2 if config.reshard_after_forward else 1), "reduce_scatter": units}
+    cost.sync_calls = {"all_gather": calls * (2 if config.reshard_after_forward else 1), "reduce_scatter": calls}
     cost.sync_in_hooks = True  # FSDP2 issues each of them
     # the next unit is gathered while this one computes; gradients reduced as backward makes them
     cost.sync_overlap = {"all_gather": ("forward", "backward"), "reduce_scatter": ("backward",)}

@@ -15,6 +15,7 @@ gradient hooks take DDP's place (see docs/intra_layer.md).
 import math
 from typing import Literal
 
+import torch
 from pydantic import Field, model_validator
 
 from atorch.auto.config_types import MethodConfig
@@ -199,9 +200,9 @@ def tensor_activations(cost, tensor: int, sequence_parallel: bool = False) -> No
 def tensor_terms(cost, tensor: int, sequence_parallel: bool = False, activations: bool = True) -> None:
     """Memory and time of the 1d algorithm over ``tensor`` ranks: the split layers' weights and
     the activations inside them divide (``tensor_activations``, unless ``activations`` is False:
-    a caller that applied them itself); each row-parallel layer all-reduces its output in forward
-    and its column partner's input gradient in backward (not overlapped); the vocabulary-split
-    embedding all-reduces its output and the head gathers its logits."""
+    a caller that applied them itself); the collectives of :func:`_tensor_traffic`, not
+    overlapped (under sequence parallelism two per row-parallel layer, one per embedding and
+    head)."""
     from atorch.auto.search.cost import Comm
 
     if tensor <= 1:
@@ -215,25 +216,109 @@ def tensor_terms(cost, tensor: int, sequence_parallel: bool = False, activations
     cost.split_model(share)
     cost.split *= share
     cost.compute_share *= share
-    widths, messages = 0, 0
+    if sequence_parallel:
+        widths, messages = 0, 0
+        for name, how in plan:
+            module = modules[name]
+            if how.startswith("row"):
+                widths += 2 * _features(module)[1]
+                messages += 2
+            elif how in ("embedding", "column_gather"):
+                widths += module.embedding_dim if how == "embedding" else module.out_features
+                messages += 1
+        cost.comms.append(Comm("tensor", cost.tokens * widths * cost.stage_share,
+                               max(1, round(messages * cost.stage_share)), 2 * (tensor - 1) / tensor))
+        return
+    recomputed = _recomputed_rows(cost.model, plan) if "checkpoint" in cost.methods else set()
+    reduced, gathered = _tensor_traffic(plan, modules, recomputed)
+    # Within one pipeline stage (mixed_parallel), a rank runs only its stage's layers.
+    for kind, (width, calls), factor in (("all_reduce", reduced, 2 * (tensor - 1) / tensor),
+                                         ("all_gather", gathered, (tensor - 1) / tensor)):
+        if calls:
+            cost.comms.append(Comm("tensor", cost.tokens * width * cost.stage_share,
+                                   max(1, round(calls * cost.stage_share)), factor, kind))
+
+
+def _features(module) -> tuple[int, int]:
+    """(in, out) features of a Linear or a GPT-2 Conv1D (whose weight is (in, out))."""
+    if hasattr(module, "out_features"):
+        return module.in_features, module.out_features
+    return module.weight.shape[0], module.nf
+
+
+def _recomputed_rows(model, plan) -> set[str]:
+    """The row-parallel layers whose forward all-reduce a checkpointed block's recompute runs
+    again: torch's checkpoint stops recomputing once it has every tensor the block's backward
+    needs, so a block's last row layer (a pre-norm block's MLP output, which only the residual
+    add takes) is not rerun. On 2 gloo ranks a checkpointed Llama layer all-reduced 8 times, not
+    9 (tests/auto/search/test_cost_traffic.py). A post-norm block (BERT's), whose last norm saves
+    that output, reruns it too: one all-reduce a layer more than this counts."""
+    from atorch.utils.modules import find_block_classes
+
+    classes = tuple(find_block_classes(model))
+    blocks = [name for name, m in model.named_modules() if classes and isinstance(m, classes)]
+    rows = [name for name, how in plan if how.startswith("row")]
+    recomputed = set()
+    for block in blocks:
+        inside = [name for name in rows if name.startswith(block + ".")]
+        recomputed.update(inside[:-1])
+    return recomputed
+
+
+def _tensor_traffic(plan, modules: dict, recomputed: set) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((width, calls) all-reduced, (width, calls) all-gathered) per token in one step of the
+    split layers, as atorch.parallel_layers moves them: each column-parallel layer all-reduces its
+    input's gradient in backward (q, k, v, gate and up each their own: 5 a Llama layer, where
+    Megatron's fused projections make 2), each row-parallel layer its output in forward (again in
+    a checkpointed block's recompute: those ``recomputed``), the vocabulary-split embedding its output; the head
+    gathers its logits (an all-gather, of the whole vocabulary's width)."""
+    reduce_width = reduce_calls = gather_width = gather_calls = 0
     for name, how in plan:
         module = modules[name]
+        if how == "embedding":
+            reduce_width, reduce_calls = reduce_width + module.embedding_dim, reduce_calls + 1
+            continue
+        inputs, outputs = _features(module)
         if how.startswith("row"):
-            widths += 2 * (module.out_features if hasattr(module, "out_features") else module.nf)
-            messages += 2
-        elif how in ("embedding", "column_gather"):
-            widths += module.embedding_dim if how == "embedding" else module.out_features
-            messages += 1
-    # Within one pipeline stage (mixed_parallel), a rank runs only its stage's layers.
-    cost.comms.append(Comm("tensor", cost.tokens * widths * cost.stage_share, max(1, round(messages * cost.stage_share)),
-                           2 * (tensor - 1) / tensor))
+            times = 2 if name in recomputed else 1
+            reduce_width, reduce_calls = reduce_width + times * outputs, reduce_calls + times
+        else:
+            reduce_width, reduce_calls = reduce_width + inputs, reduce_calls + 1
+            if how == "column_gather":
+                gather_width, gather_calls = gather_width + outputs, gather_calls + 1
+    return (reduce_width, reduce_calls), (gather_width, gather_calls)
 
 
 def cost_term(config: TensorParallelConfig, cost) -> None:
     if config.algorithm != "3d":
         tensor_terms(cost, cost.size("tensor"), "sequence_parallel" in cost.methods)
     else:
-        cost.grad_buckets = False  # hooks reduce each gradient over its own group: no DDP
+        terms_3d(cost, *config.grid)
+
+
+def terms_3d(cost, row: int, col: int, depth: int) -> None:
+    """Memory and compute of AxoNN's 3d algorithm: each nn.Linear whose input features divide by
+    ``col`` and output features by ``row x depth`` keeps 1 / (row x col x depth) of its weight,
+    gradient and optimizer state on a rank, and gathers its row x column block over depth in
+    forward, which autograd keeps for the layer's backward; the batch is split over depth. Until this term the
+    3d algorithm split nothing (125.5 GiB a rank for 7B on tensor=8, estimated). Its collectives
+    inside the layers are not costed."""
+    cost.grad_buckets = False  # hooks reduce each gradient over its own group: no DDP
+    tensor = row * col * depth
+    if tensor <= 1:
+        return
+    linears = [m for m in cost.model.modules() if type(m) is torch.nn.Linear
+               and m.in_features % col == 0 and m.out_features % (row * depth) == 0]
+    sizes = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in linears]
+    whole = max(cost.param_bytes(), 1)
+    share = 1 - sum(sizes) / whole * (1 - 1 / tensor)
+    cost.split_model(share)
+    cost.split *= share
+    if depth > 1:  # each layer's gathered block is saved for its backward: all of them at forward's end
+        cost.gathered += sum(sizes) * cost.weight_scale / (row * col)
+    cost.activations /= depth
+    linear = sum(sizes) / whole  # the Linears' share of the FLOPs, by their share of the parameters
+    cost.compute_share *= linear / tensor + (1 - linear) / depth
 
 
 register_method(

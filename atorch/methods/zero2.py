@@ -145,6 +145,7 @@ def _fsdp2_terms(config: Zero2Config, cost) -> None:
     # cost-model benchmark's Llama (2 ranks, one unit) checkpoint + zero2 peaks late in backward
     # with neither the buffer nor a shard of the gradients: 1.14 of its measured peak while the
     # buffer counted there and the gradients as shards, 1.00 now; plain zero2 peaks at the loss.
+    cost.sync_share = {"all_gather": low}  # gathered in amp's dtype, reduced in fp32
     cost.forward_gathered += unit * low
     cost.unit_grads += 2 * unit * low
     cost.whole_grads = trainable * low

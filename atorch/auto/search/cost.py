@@ -548,6 +548,9 @@ class StepCost:
     # "backward") for parameters gathered a unit ahead (FSDP2's prefetch); a kind not named waits
     # (zero1's broadcast after the step). The profile's ``overlap`` says how much of it does hide.
     sync_overlap: dict = field(default_factory=dict)
+    # bytes of a data-sync collective's tensors per byte of the rank's model piece, by kind, when
+    # not the model's own dtype (FSDP2 under amp gathers the parameters in amp's 2-byte dtype)
+    sync_share: dict = field(default_factory=dict)
     comms: list = field(default_factory=list)  # other communication not overlapped with compute
     # a hardware profile (atorch/auto/search/profiles), named or calibrated on this machine
     # (atorch/auto/search/calibrate.py): its rates replace the nominal ones, a group that spans
@@ -635,32 +638,42 @@ class StepCost:
         # what a collective can hide behind: each pass's compute, shared by the collectives in it
         hides = 0.0 if self.profile is None else self.profile.overlap
         windows = {"forward": compute / self.passes, "backward": compute * (self.passes - 1) / self.passes}
-        piece = self.param_bytes() * self.weight_scale * self.split * self.stage_share
-        trainable = self.param_bytes(True) * self.weight_scale * self.split * self.stage_share
         dp = self.dp_size
         comm = 0.0
-        if dp > 1:
-            grads = self.data_sync.get("grads", 0)
-            # Parameters are gathered (or broadcast); gradients all-reduced (x2) or reduce-scattered (x1).
-            # kind -> (bytes moved, the payload: what buckets divide)
-            sync = {"all_gather": (self.data_sync.get("params", 0) * piece, piece),
-                    "all_reduce" if grads >= 2 else "reduce_scatter": (grads * trainable, trainable)}
-            for kind, (moved, payload) in sync.items():
-                if moved:
-                    bandwidth, latency = self._link(DATA_PARALLEL_DIMS, kind)
-                    seconds = moved * (dp - 1) / dp / bandwidth + latency * self._calls(kind, payload)
-                    hidden = 0.0
-                    for phase in self.sync_overlap.get(kind, ()):
-                        behind = min(seconds * hides - hidden, windows[phase])
-                        windows[phase] -= behind
-                        hidden += behind
-                    comm += seconds - hidden
+        for kind, payload, calls in self.data_sync_collectives():
+            wire = payload * (2 if kind == "all_reduce" else 1) * (dp - 1) / dp
+            bandwidth, latency = self._link(DATA_PARALLEL_DIMS, kind)
+            seconds = wire / bandwidth + latency * calls
+            hidden = 0.0
+            for phase in self.sync_overlap.get(kind, ()):
+                behind = min(seconds * hides - hidden, windows[phase])
+                windows[phase] -= behind
+                hidden += behind
+            comm += seconds - hidden
         element = 2 if self.compute_dtype == "half" else 4
         for c in self.comms:
             if self.size(c.dim) > 1:
                 bandwidth, latency = self._link((c.dim,), c.kind)
                 comm += c.elements * element * c.factor / bandwidth + c.messages * latency
         return compute * (1 + self.bubble) + comm + self.stepped * self.optim_seconds_per_byte
+
+    def data_sync_collectives(self) -> list[tuple[str, float, float]]:
+        """The data-parallel sync per step as ``(kind, payload bytes, collectives)``: the tensors
+        handed to the collectives (an all-gather's whole output), summed over the step. Parameters
+        are gathered (or broadcast) ``data_sync["params"]`` times; gradients all-reduced
+        (``data_sync["grads"]`` 2: the ring moves them twice) or reduce-scattered (1)."""
+        if self.dp_size <= 1:
+            return []
+        piece = self.param_bytes() * self.weight_scale * self.split * self.stage_share
+        trainable = self.param_bytes(True) * self.weight_scale * self.split * self.stage_share
+        grads, params = self.data_sync.get("grads", 0), self.data_sync.get("params", 0)
+        out = []
+        for kind, payload, times in (("all_gather", piece, params),
+                                     ("all_reduce" if grads >= 2 else "reduce_scatter", trainable, min(grads, 1))):
+            if times:
+                payload *= self.sync_share.get(kind, 1.0)
+                out.append((kind, payload * times, self._calls(kind, payload)))
+        return out
 
     def _calls(self, kind: str, payload: float) -> float:
         """Collectives of ``kind`` in the data-parallel sync of ``payload`` bytes (the gradients

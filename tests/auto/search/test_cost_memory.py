@@ -1,0 +1,96 @@
+"""Memory terms of the sharding methods against peaks measured on 2 gloo ranks, on a Llama whose
+root unit (embedding, final norm, head) outweighs its blocks, as a 32k-vocabulary model's does on
+many ranks: what FSDP2 keeps whole of the root and at each reduce-scatter decides its peak."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.helpers.dist import run_distributed
+
+VOCAB, SEQ = 2048, 16
+AMP = ("amp_native", "bf16")
+CASES = {"fsdp": ["fsdp"], "amp + fsdp": [AMP, "fsdp"], "fsdp kept whole": [("fsdp", {"reshard_after_forward": False})]}
+
+
+def _wide_vocab_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=172, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    return LlamaForCausalLM(config)
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        tokens = (torch.arange(SEQ) * 7 + i) % VOCAB
+        return {"input_ids": tokens, "labels": tokens}
+
+
+def _ratios() -> dict:
+    from atorch.auto.search import measure
+
+    report = measure(_wide_vocab_llama(), [["parallel_mode", *m] for m in CASES.values()], torch.optim.AdamW,
+                     _Tokens(), lambda batch, out: out.loss, optim_args={"lr": 1e-3},
+                     dataloader_args={"batch_size": 4}, model_input_format="unpack_dict", timed_steps=1)
+    return {name: c.estimated_peak_bytes / c.measured_peak_bytes for name, c in zip(CASES, report.candidates)}
+
+
+def test_fsdp_counts_the_root_unit_its_reduce_buffers_and_what_stays_gathered():
+    """Estimated / measured peak 0.93, 0.87 and 0.99 (2026-11-25). Before, with the root left
+    out, gathered units in fp32 under amp, two units kept whole with reshard_after_forward=False
+    and no reduce-scatter buffer: 0.74, 0.76 and 0.74."""
+    pytest.importorskip("transformers")
+    ratios = run_distributed(_ratios, 2)[0]
+    assert all(0.8 <= r <= 1.1 for r in ratios.values()), ratios
+
+
+def _llama_4_layers():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    return LlamaForCausalLM(config)
+
+
+def _measured_ratios(cases: dict) -> dict:
+    from atorch.auto.search import measure
+    from tests.helpers.hf import CountingTokens
+
+    report = measure(_llama_4_layers(), list(cases.values()), torch.optim.AdamW, CountingTokens(),
+                     lambda batch, out: out.loss, optim_args={"lr": 1e-3}, dataloader_args={"batch_size": 8},
+                     model_input_format="unpack_dict", timed_steps=1)
+    return {name: c.estimated_peak_bytes / c.measured_peak_bytes for name, c in zip(cases, report.candidates)}
+
+
+TENSOR2 = ("parallel_mode", ([("tensor", 2), ("data", 1)], None))
+PIPELINE2 = ("parallel_mode", ([("pipeline", 2), ("data", 1)], None))
+GRIDS = {"row 2": [TENSOR2, ("tensor_parallel", {"algorithm": "3d", "row": 2})],
+         "depth 2": [TENSOR2, ("tensor_parallel", {"algorithm": "3d", "depth": 2})]}
+ENGINES = {"ds_3d_parallel": [PIPELINE2, ("ds_3d_parallel", {"num_microbatches": 2})],
+           "pipeline_parallel": [PIPELINE2, ("pipeline_parallel", {"num_microbatches": 2})]}
+
+
+def test_the_3d_algorithm_splits_its_linears_and_keeps_the_gathered_blocks():
+    """Estimated / measured 1.00 for both grids (2026-11-25); the term split nothing before: 1.45
+    (row 2) and 1.42 (depth 2, whose gathered blocks autograd keeps for backward)."""
+    pytest.importorskip("transformers")
+    ratios = run_distributed(_measured_ratios, 2, GRIDS)[0]
+    assert all(0.9 <= r <= 1.1 for r in ratios.values()), ratios
+
+
+@pytest.mark.slow  # DeepSpeed's import and engine: 35 s
+def test_deepspeeds_pipeline_engine_is_costed_as_the_pipeline_it_runs():
+    """ds_3d_parallel had no cost term: the whole model on every rank, 1.90 of its measured peak
+    (0.97 now, beside pipeline_parallel's 0.98)."""
+    pytest.importorskip("transformers")
+    if importlib.util.find_spec("deepspeed") is None:  # imported in the ranks only (it sets environment variables)
+        pytest.skip("needs deepspeed")
+    ratios = run_distributed(_measured_ratios, 2, ENGINES)[0]
+    assert all(0.9 <= r <= 1.1 for r in ratios.values()), ratios
