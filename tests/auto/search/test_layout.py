@@ -135,7 +135,10 @@ def test_layout_methods_contribute_their_own_memory_and_time_terms():
     for m, estimate in pipe.items():
         assert estimate.params == pytest.approx(data.params / 2, rel=0.05)
         assert estimate.bubble == pytest.approx(1 / m)
-        assert estimate.activations == pytest.approx(1_000_000 * estimate.stage_share * 2 / m)
+        assert estimate.activations == pytest.approx(1_000_000 * estimate.stage_share)
+        # 2 of the m microbatches in flight at worst; the stage's gradients exist once a backward
+        # ran: beside all of them when m > 2 (a forward follows each backward), else beside one
+        assert estimate.activation_profile == {2: ((1.0, 0.0, 1.0), (0.5, 1.0, 1.0)), 4: ((0.5, 1.0, 1.0),)}[m]
     assert pipe[4].seconds() < pipe[2].seconds()  # half the bubble
     # with the same compute and no communication, the bubble alone makes the difference
     assert pipe[2].forward_flops * pipe[2].passes * pipe[2].compute_share * 1.5 == pytest.approx(
