@@ -14,7 +14,7 @@ from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
 from atorch.auto.registry import ONE_SHARDING, MethodSpec, Stage, register_method
 from atorch.methods.parallel_mode import DDP_BUCKET_BYTES
-from atorch.sharding.deepspeed import deepspeed_unavailable, wrap_deepspeed
+from atorch.sharding.deepspeed import deepspeed_unavailable, wrap_deepspeed, zero_memory_terms
 
 
 class Zero1Config(MethodConfig):
@@ -78,6 +78,8 @@ def cost_term(config: Zero1Config, cost) -> None:
         cost.optim_state = max(cost.optim_state, largest * cost.state_factor)
         cost.stepped = max(cost.stepped, largest)
         cost.step_temp = cost.stepped  # foreach kernels over the shard's parameters (local_step.py)
+    else:
+        zero_memory_terms(cost, config.ds_config)
     cost.data_sync = {"grads": 2, "params": 1}  # all-reduce gradients, broadcast updated parameters
     # DDP's gradient buckets, then one broadcast per rank (each rank's bucket of updated parameters)
     cost.sync_calls = {"bucket_bytes": DDP_BUCKET_BYTES, "all_gather": cost.dp_size}

@@ -15,7 +15,7 @@ from atorch.auto.context import ModelContext
 from atorch.auto.registry import ONE_SHARDING, MethodSpec, Stage, register_method
 from atorch.methods.fsdp import compute_dtype_share, mixed_precision_from
 from atorch.sharding import fsdp2
-from atorch.sharding.deepspeed import deepspeed_unavailable, wrap_deepspeed
+from atorch.sharding.deepspeed import deepspeed_unavailable, wrap_deepspeed, zero_memory_terms
 from atorch.utils.modules import find_block_classes
 
 
@@ -110,6 +110,8 @@ def cost_term(config: Zero2Config, cost) -> None:
     # every backend reduces gradients as backward makes them; the updated parameters are gathered
     # after the step (DeepSpeed, fairscale) or unit by unit ahead of its forward (FSDP2)
     cost.sync_overlap = {"reduce_scatter": ("backward",)}
+    if config.use_ds_zero:
+        zero_memory_terms(cost, config.ds_config)
     if not config.use_ds_zero and not config.not_use_fsdp:
         _fsdp2_terms(config, cost)
         # one gather (in forward: kept whole through backward) and one reduce-scatter per unit

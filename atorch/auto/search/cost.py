@@ -505,6 +505,7 @@ class StepCost:
     whole_grads: float = 0.0
     activations: float = 0.0
     grad_buckets: bool = False  # DDP keeps a copy of the rank's gradients in its buckets
+    buffers: float = 0.0  # allocated once by a backend and kept (DeepSpeed's gradient bucket)
     # autocast's low-precision copies of the weights a rank computes with, alive in forward and
     # backward (all of them at the forward's end)
     copies: float = 0.0
@@ -606,7 +607,7 @@ class StepCost:
         forward_only = lambda g: self.forward_gathered if g <= 0 or not self.activation_profile else 0.0  # noqa: E731
         acts, grads, copies, forward = max(((self.activations * a, self.grads_at(g), self.copies * c, forward_only(g))
                                             for a, g, c in moments), key=sum)
-        buckets = self.grads if self.grad_buckets and self.dp_size > 1 else 0
+        buckets = (self.grads if self.grad_buckets and self.dp_size > 1 else 0) + self.buffers
         return MemoryEstimate(math.ceil(self.params), math.ceil(self.grads), math.ceil(self.optim_state),
                               math.ceil(self.gathered + copies + forward), int(acts), math.ceil(self.step_temp),
                               self.forward_flops, math.ceil(grads), math.ceil(buckets), math.ceil(self.reduce_temp))
