@@ -122,34 +122,49 @@ def cost_term(config: Zero2Config, cost) -> None:
         cost.sync_in_hooks = True  # FSDP2 issues each of them
 
 
+def _unit_bytes(model, bucket_params: int) -> tuple[list[int], int]:
+    """Parameter bytes of the units :func:`shard` makes: the groups of consecutive blocks
+    (``fsdp2.group_units``), each past ``bucket_params`` by up to a block, and the root, which
+    holds what no group does (the leftover blocks, the embedding, the head). The term had taken
+    ``bucket_params`` itself for the largest."""
+    blocks = fsdp2.choose_units(model, [class_name(c) for c in find_block_classes(model)])
+    modules = dict(model.named_modules())
+    claimed: set[int] = set()
+    sizes = []
+    for group in fsdp2.group_units(model, blocks, bucket_params):
+        params = [p for name in group for p in modules[name].parameters()]
+        claimed.update(id(p) for p in params)
+        sizes.append(sum(p.numel() * p.element_size() for p in params))
+    return sizes, sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in claimed)
+
+
 def _fsdp2_terms(config: Zero2Config, cost) -> None:
     """FSDP2 keeps each parameter's shard and, from a unit's forward until after its backward,
     the unit's whole parameters in the compute dtype: every unit is whole at the end of forward.
     In backward a unit's gradients are whole (in the compute dtype) until its reduce-scatter.
     Measured on the cost-model benchmark's Llamas (2 ranks), fp32: without these terms the
     estimate was 0.72-0.88 of the measured peak, with them 0.85-1.03."""
-    from atorch.auto.search.cost import largest_unit_bytes
 
     whole = cost.param_bytes() * cost.weight_scale * cost.split * cost.stage_share
     low = compute_dtype_share(cost)  # FSDP2 gathers in amp's 2-byte dtype
     cost.params = whole / cost.dp_size + whole * low
     cost.step_temp = cost.stepped  # the local step runs foreach kernels over the shards (local_step.py)
     trainable = cost.param_bytes(trainable_only=True) * cost.weight_scale * cost.split * cost.stage_share
-    if config.bucket_params > 0:  # consecutive blocks share a unit up to bucket_params parameters
-        trainable_numel = sum(p.numel() for p in cost.model.parameters() if p.requires_grad) or 1
-        # bucket_params counts parameters of the whole model, not of this rank's stage share
-        unit = min(trainable, config.bucket_params * trainable / (trainable_numel * cost.stage_share))
-    else:
-        blocks = [class_name(c) for c in find_block_classes(cost.model)]
-        unit = largest_unit_bytes(cost.model, blocks) * cost.weight_scale * cost.split
+    groups, root = _unit_bytes(cost.model, config.bucket_params)
+    scale = cost.weight_scale * cost.split
+    units = sorted((size * scale for size in [*groups, root]), reverse=True)
+    unit, pair = units[0], sum(units[:2])  # the largest; the two largest (the running one, the one reducing)
+    # the all-gather buffer kept at forward's end: a group's (measured on the wide-vocabulary Llama
+    # of tests/auto/search/test_cost_memory.py, whose root's buffer was not alive there)
+    buffer = max(groups, default=root) * scale
     # The all-gather's output is kept through forward beside the unsharded parameters, and freed
     # at its end; in backward the unit's gradients are whole until its reduce-scatter. On the
     # cost-model benchmark's Llama (2 ranks, one unit) checkpoint + zero2 peaks late in backward
     # with neither the buffer nor a shard of the gradients: 1.14 of its measured peak while the
     # buffer counted there and the gradients as shards, 1.00 now; plain zero2 peaks at the loss.
     cost.sync_share = {"all_gather": low}  # gathered in amp's dtype, reduced in fp32
-    cost.forward_gathered += unit * low
-    cost.unit_grads += 2 * unit * low
+    cost.forward_gathered += buffer * low
+    cost.unit_grads += pair * low
     cost.whole_grads = trainable * low
     if low < 1.0:
         # Under amp a unit's gradients come in amp's dtype and are cast to fp32 for the

@@ -152,14 +152,6 @@ def _optimizer_step_seconds(optim_func, optim_args: dict, device: torch.device, 
     return median_seconds(device, optim.step, repeats=OPTIMIZER_REPEATS, warmup=False)
 
 
-def _largest_unit_bytes(model: torch.nn.Module, unit_classes: list[str]) -> int:
-    from atorch.auto.config_types import class_matches
-
-    sizes = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in model.modules()
-             if any(class_matches(type(m), n) for n in unit_classes)]
-    return max(sizes, default=sum(p.numel() * p.element_size() for p in model.parameters()))
-
-
 class _SavedBytes:
     """Counts the bytes autograd saves for backward (each storage once), by dtype.
 
@@ -727,11 +719,6 @@ def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int],
         if term is not None:
             term(config, cost)
     return cost
-
-
-def largest_unit_bytes(model: torch.nn.Module, unit_classes: list[str]) -> int:
-    """Parameter bytes of the largest module of these classes (the whole model if none)."""
-    return _largest_unit_bytes(model, unit_classes)
 
 
 def estimate_memory(model: torch.nn.Module, strategy: Strategy, dp_size: int, optim_state_factor: float,
