@@ -27,6 +27,16 @@ def _progress(message: str) -> None:
 
 def plan_search(model, world: int, global_batch: int, seq_len: int, profile, state_factor: float,
                 excluded=(), memory: int | None = None) -> dict:
+    """:func:`_plan_search`, computing what depends only on the model's structure once
+    (:mod:`atorch.utils.memo`)."""
+    from atorch.utils import memo
+
+    with memo.kept():
+        return _plan_search(model, world, global_batch, seq_len, profile, state_factor, excluded, memory)
+
+
+def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, state_factor: float,
+                 excluded=(), memory: int | None = None) -> dict:
     """Every candidate of the search for ``model`` on ``world`` ranks of ``profile``, costed.
 
     Returns ``{"rows": [...], "counts": Counter, "flops_per_token": float}``; each row is a dict

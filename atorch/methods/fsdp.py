@@ -16,6 +16,7 @@ from atorch.auto.registry import ONE_SHARDING, MethodSpec, Stage, register_metho
 from atorch.errors import MethodConfigError
 from atorch.sharding import fsdp2
 from atorch.utils.log import logger
+from atorch.utils.memo import once
 from atorch.utils.modules import find_block_classes, missing_class_error, unit_summary
 
 
@@ -131,7 +132,7 @@ def cost_term(config: FsdpConfig, cost) -> None:
     low = compute_dtype_share(cost, config.param_dtype)  # gathered parameters and their gradients
     # the reduce-scatter's dtype: the policy's reduce_dtype (fp32 under amp), else param_dtype
     reduce = config.reduce_dtype or (config.param_dtype if "amp_native" not in cost.methods else torch.float32)
-    units, root = unit_bytes(cost.model, config)
+    units, root = once(("fsdp units", id(cost.model), config.model_dump_json()), lambda: unit_bytes(cost.model, config))
     scale = cost.weight_scale * cost.split
     unit, root = max(units, default=0) * scale * low, root * scale * low
     # The root is gathered from the first forward to the end of forward, and again through all

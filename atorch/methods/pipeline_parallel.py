@@ -17,6 +17,7 @@ from atorch.pipeline.auto import PipelineFields, check_fields, pipeline_model
 from atorch.pipeline.layouts import layout_for
 from atorch.pipeline.partition import balanced_ranges, ranges_from_cuts
 from atorch.pipeline.schedules import check_schedule
+from atorch.utils.memo import once
 
 
 class PipelineParallelConfig(PipelineFields):
@@ -64,7 +65,8 @@ def pipeline_ineligible(model: torch.nn.Module, config: PipelineFields, job: Lay
     except AtorchConfigError as error:
         return f"{where}: {error}"
     if config.pipeline_cuts is None:
-        why = pipeline_eligibility(model, stages * config.virtual_pipeline_size)
+        count = stages * config.virtual_pipeline_size
+        why = once(("pipeline eligibility", id(model), count), lambda: pipeline_eligibility(model, count))
         if why is not None:
             return f"{where}: {why}"
     batch = job.batch_per_data_rank
@@ -210,6 +212,14 @@ def _stage_moments(spans, ranges: list[list[str]], stages: int, m: int, schedule
     return tuple(moments)
 
 
+def _stage_sizes(model, ranges: list[list[str]], stages: int) -> tuple[list[int], list[int]]:
+    """(parameters of each stage, parameter tensors of each rank's stages)."""
+    sizes = [sum(p.numel() for name in names for p in model.get_submodule(name).parameters()) for names in ranges]
+    tensors = [sum(len(list(model.get_submodule(name).parameters())) for names in ranges[r::stages] for name in names)
+               for r in range(stages)]
+    return sizes, tensors
+
+
 def _uniform_moments(schedule: str, stages: int, m: int, v: int) -> tuple:
     """The first stage's worst moments as (share of a batch's activations on the rank, share of
     its gradients, share of the copies) when every microbatch and stage holds the same: what
@@ -235,8 +245,11 @@ def pipeline_terms(cost, config: PipelineFields, stages: int) -> None:
     cost.grad_buckets = False  # the pipeline model averages the gradients itself: no DDP
     if stages <= 1:
         return
-    ranges = stage_ranges(cost.model, config, stages)
-    sizes = [sum(p.numel() for name in names for p in cost.model.get_submodule(name).parameters()) for names in ranges]
+    cuts = None if config.pipeline_cuts is None else tuple(config.pipeline_cuts)
+    ranges = once(("stage_ranges", id(cost.model), stages, config.virtual_pipeline_size, cuts),
+                  lambda: stage_ranges(cost.model, config, stages))
+    sizes, tensors = once(("stage sizes", id(cost.model), stages, config.virtual_pipeline_size, cuts),
+                          lambda: _stage_sizes(cost.model, ranges, stages))
     per_rank = [sum(sizes[r::stages]) for r in range(stages)]  # interleaved: rank r runs stages r, r+p, ...
     share = max(per_rank) / max(sum(sizes), 1)
     cost.split_model(share)
@@ -245,8 +258,6 @@ def pipeline_terms(cost, config: PipelineFields, stages: int) -> None:
     # ranks, one blocking collective a parameter (PipelineModel._average_data_parallel_grads): no
     # DDP buckets, nothing behind backward. Costed as DDP's overlapped buckets, pipeline=4 x data=16
     # on 7B was 0.442 s a step, 0.608 s by the collectives the code makes (estimated, H100 profile).
-    tensors = [sum(len(list(cost.model.get_submodule(name).parameters())) for names in ranges[r::stages] for name in names)
-               for r in range(stages)]
     cost.sync_calls = {"all_reduce": tensors[per_rank.index(max(per_rank))]}
     cost.sync_overlap = {}
     m, v = config.num_microbatches, config.virtual_pipeline_size

@@ -24,6 +24,7 @@ from atorch.auto.registry import LayoutJob, MethodSpec, Stage, register_method
 from atorch.errors import MethodConfigError, StrategyConflictError
 from atorch.parallel_layers.auto_shard import ShardingError, plan_shards, shard_model
 from atorch.utils.log import logger
+from atorch.utils.memo import once
 
 
 class TensorParallelConfig(MethodConfig):
@@ -111,7 +112,7 @@ _SPLITS = ("column", "row")
 def tensor_ineligible(model, tensor: int) -> str | None:
     """Why the 1d algorithm cannot split ``model`` over ``tensor`` ranks, or None."""
     try:
-        plan = plan_shards(model, tensor)
+        plan = _plan(model, tensor)
     except ShardingError as error:
         return f"tensor={tensor}: {error}"
     if not any(how.startswith(_SPLITS) and how != "column_gather" for _, how in plan):
@@ -178,6 +179,11 @@ def _span_moments(spans, blocks: list[bool], model, checkpointed: bool) -> tuple
     return tuple(moments)
 
 
+def _plan(model, tensor: int) -> list:
+    """plan_shards, once per model and size while a search or plan costs its candidates."""
+    return once(("plan_shards", id(model), tensor), lambda: plan_shards(model, tensor))
+
+
 def tensor_activations(cost, tensor: int, sequence_parallel: bool = False) -> None:
     """Activations a rank has under the 1d algorithm over ``tensor`` ranks. With the probe's unit
     spans, block by block (``_split_spans``): the blocks' share inside the split regions divides,
@@ -192,7 +198,7 @@ def tensor_activations(cost, tensor: int, sequence_parallel: bool = False) -> No
         cost.activations *= inside
         return
     checkpointed = cost.checkpointed_saves > 0
-    blocks = _blocks(cost.unit_spans, plan_shards(cost.model, tensor))
+    blocks = _blocks(cost.unit_spans, _plan(cost.model, tensor))
     cost.unit_spans = _split_spans(cost.unit_spans, blocks, inside, checkpointed)
     cost.activation_profile = _span_moments(cost.unit_spans, blocks, cost.model, checkpointed)
 
@@ -209,9 +215,10 @@ def tensor_terms(cost, tensor: int, sequence_parallel: bool = False, activations
         return
     if activations:
         tensor_activations(cost, tensor, sequence_parallel)
-    plan = plan_shards(cost.model, tensor)
-    modules = dict(cost.model.named_modules())
-    split = sum(p.numel() * p.element_size() for name, _ in plan for p in modules[name].parameters())
+    plan = _plan(cost.model, tensor)
+    modules = once(("modules", id(cost.model)), lambda: dict(cost.model.named_modules()))
+    split = once(("tensor split bytes", id(cost.model), tensor), lambda: sum(
+        p.numel() * p.element_size() for name, _ in plan for p in modules[name].parameters()))
     share = 1 - split / max(cost.param_bytes(), 1) * (1 - 1 / tensor)
     cost.split_model(share)
     cost.split *= share
@@ -229,8 +236,11 @@ def tensor_terms(cost, tensor: int, sequence_parallel: bool = False, activations
         cost.comms.append(Comm("tensor", cost.tokens * widths * cost.stage_share,
                                max(1, round(messages * cost.stage_share)), 2 * (tensor - 1) / tensor))
         return
-    recomputed = _recomputed_rows(cost.model, plan) if "checkpoint" in cost.methods else set()
-    reduced, gathered = _tensor_traffic(plan, modules, recomputed)
+    recomputed = set()
+    if "checkpoint" in cost.methods:
+        recomputed = once(("recomputed rows", id(cost.model), tensor), lambda: _recomputed_rows(cost.model, plan))
+    reduced, gathered = once(("tensor traffic", id(cost.model), tensor, len(recomputed)),
+                             lambda: _tensor_traffic(plan, modules, recomputed))
     # Within one pipeline stage (mixed_parallel), a rank runs only its stage's layers.
     for kind, (width, calls), factor in (("all_reduce", reduced, 2 * (tensor - 1) / tensor),
                                          ("all_gather", gathered, (tensor - 1) / tensor)):

@@ -16,6 +16,7 @@ from atorch.auto.registry import ONE_SHARDING, MethodSpec, Stage, register_metho
 from atorch.methods.fsdp import compute_dtype_share, mixed_precision_from
 from atorch.sharding import fsdp2
 from atorch.sharding.deepspeed import deepspeed_unavailable, wrap_deepspeed, zero_memory_terms
+from atorch.utils.memo import once
 from atorch.utils.modules import find_block_classes
 
 
@@ -115,8 +116,9 @@ def cost_term(config: Zero2Config, cost) -> None:
     if not config.use_ds_zero and not config.not_use_fsdp:
         _fsdp2_terms(config, cost)
         # one gather (in forward: kept whole through backward) and one reduce-scatter per unit
-        blocks = fsdp2.choose_units(cost.model, [class_name(c) for c in find_block_classes(cost.model)])
-        units = max(1.0, (len(fsdp2.group_units(cost.model, blocks, config.bucket_params)) + 1) * cost.stage_share)
+        groups, _ = once(("zero2 units", id(cost.model), config.bucket_params),
+                         lambda: _unit_bytes(cost.model, config.bucket_params))
+        units = max(1.0, (len(groups) + 1) * cost.stage_share)
         cost.sync_calls = {"all_gather": units, "reduce_scatter": units}
         cost.sync_overlap = {"reduce_scatter": ("backward",), "all_gather": ("forward",)}
         cost.sync_in_hooks = True  # FSDP2 issues each of them
@@ -150,7 +152,8 @@ def _fsdp2_terms(config: Zero2Config, cost) -> None:
     cost.params = whole / cost.dp_size + whole * low
     cost.step_temp = cost.stepped  # the local step runs foreach kernels over the shards (local_step.py)
     trainable = cost.param_bytes(trainable_only=True) * cost.weight_scale * cost.split * cost.stage_share
-    groups, root = _unit_bytes(cost.model, config.bucket_params)
+    groups, root = once(("zero2 units", id(cost.model), config.bucket_params),
+                        lambda: _unit_bytes(cost.model, config.bucket_params))
     scale = cost.weight_scale * cost.split
     units = sorted((size * scale for size in [*groups, root]), reverse=True)
     unit, pair = units[0], sum(units[:2])  # the largest; the two largest (the running one, the one reducing)

@@ -125,3 +125,10 @@ def test_scale_counts_come_from_the_sharding_code():
     for row in rows:
         if row["strategy"] in ("ddp", "zero1"):
             assert row["cost_model"] == {k: v for k, v in row["hand"].items() if k != "gathered"}, row
+
+
+def test_plan_speed_benchmark_runs_and_writes_results(tmp_path):
+    from benchmarks import plan_speed
+
+    markdown = plan_speed.main(["--tiny", "--out", str(tmp_path / "plan_speed")])
+    assert "median" in markdown and json.loads((tmp_path / "plan_speed.json").read_text())["summary"]["n"] == 1

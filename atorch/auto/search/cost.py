@@ -34,6 +34,7 @@ from atorch.auto.registry import Stage, absorbed_methods, get_method
 from atorch.auto.strategy import Strategy
 from atorch.distributed.topology import DATA_PARALLEL_DIMS, data_parallel_size
 from atorch.utils.log import logger
+from atorch.utils.memo import once
 
 # How far the memory estimate may be from the measured peak, as estimated / measured: the bounds
 # tests/auto/search/test_cost.py holds it to. Measured: 0.90-1.16 on the transformers of
@@ -259,7 +260,9 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
             batch = ctx.prepare_input(batch, device_ctx.device)
         timeline, forward_end, loss = StepTimeline(probe), 0, None
         watched = [] if on_meta else timeline.watch(probe, _probe_units(probe))
-        with timeline:
+        # on meta tensors nothing is allocated and no backward runs: no timeline to keep (its
+        # dispatch mode was two thirds of a 70B plan's probe)
+        with timeline if not on_meta else contextlib.nullcontext():
             casts = counter.casts() if not on_meta else contextlib.nullcontext()  # autocast does nothing on meta
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), op_counter, casts:
                 output = run_model(ctx.model, batch, model_input_format)
@@ -383,9 +386,22 @@ def probe_stages(strategy: Strategy) -> list[tuple]:
 
 
 def probe_once(model, strategy, batch, model_input_format, loss_func, device_ctx, stages) -> tuple:
-    """One probe (:func:`_saved_bytes`): its value and its counts, as the memo keeps them."""
-    counted: list = []
-    return _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, stages, counted), counted
+    """One probe (:func:`_saved_bytes`): its value and its counts, as the memo keeps them. On meta
+    tensors, a model of n identical blocks is probed with one and with two of them and the counts
+    extrapolated (:mod:`atorch.auto.search.shallow`)."""
+    from atorch.auto.search import shallow
+
+    blocks = shallow.repeated_blocks(model) if any(p.is_meta for p in model.parameters()) else None
+    if blocks is None:
+        counted: list = []
+        return _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, stages, counted), counted
+    probes = []
+    for keep in (1, 2):
+        with shallow.truncated(blocks, keep):
+            counted = []
+            probes.append((_saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, stages,
+                                        counted), counted))
+    return shallow.extrapolate(probes[0], probes[1], len(blocks))
 
 
 def _probe(memo: dict | None, model, strategy, batch, model_input_format, loss_func, device_ctx, stages,
@@ -558,8 +574,8 @@ class StepCost:
         return self.dims.get(dim, 1)
 
     def param_bytes(self, trainable_only: bool = False) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad
-                   or not trainable_only)
+        return once(("param_bytes", id(self.model), trainable_only), lambda: sum(
+            p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad or not trainable_only))
 
     def shard_over_data(self, params: bool, grads: bool, optim: bool) -> None:
         """Divide what a sharding method splits over the data-parallel ranks (its step's
