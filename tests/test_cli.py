@@ -217,3 +217,32 @@ def test_explain_plot_draws_a_report_and_refuses_a_strategy_file(tmp_path, capsy
     assert main(["explain", "strategies/zero2_checkpoint.json", "--plot", str(tmp_path / "s.png")]) == 2
     assert "--plot draws search reports" in capsys.readouterr().err
     assert not (tmp_path / "s.png").exists()
+
+
+def test_plan_states_only_and_with_a_batch_agree_on_every_state_term(tmp_path, capsys):
+    """The states-only table had left out DDP's gradient buckets that the --batch-size table adds
+    (25 GiB a rank for 7B): the same strategy read 56.5 and 81.6 GiB of states."""
+    pytest.importorskip("transformers")
+    config = tmp_path / "llama.json"
+    config.write_text(json.dumps(LLAMA))
+    assert main(["plan", "--hf-config", str(config), "--world-size", "8"]) == 0
+    states = _plan_rows(capsys.readouterr().out)
+    assert main(["plan", "--hf-config", str(config), "--world-size", "8", "--batch-size", "8", "--seq-len", "64"]) == 0
+    with_batch = _plan_rows(capsys.readouterr().out)
+    for label, figures in states.items():  # weights, grads, optim, gathered, buckets, states
+        assert with_batch[label][:6] == figures, label
+    assert states["parallel_mode + zero1"][4] > 0  # DDP's buckets
+
+
+def test_docs_cli_quotes_the_figure_the_tool_prints(capsys):
+    """docs/cli.md quoted 34.5 GiB for 7B ZeRO-2 on 8 ranks while the tool printed 39.52."""
+    import re
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    root = Path(__file__).resolve().parents[1]
+    quoted = re.search(r"ZeRO-2 on 8 ranks that is ([\d.]+) GiB \(atorch\)", (root / "docs" / "cli.md").read_text())
+    assert quoted, "docs/cli.md no longer quotes the 7B ZeRO-2 figure this test checks"
+    assert main(["plan", "--hf-config", str(root / "docs" / "plans" / "llama7b.json"), "--world-size", "8"]) == 0
+    printed = _plan_rows(capsys.readouterr().out)["parallel_mode + zero2"][5]
+    assert float(quoted.group(1)) == pytest.approx(printed, abs=0.05)

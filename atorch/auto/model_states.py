@@ -5,8 +5,8 @@ must know which one they hold:
 
 - ``atorch``: what atorch's methods hold for a model kept in ``dtype`` (the cost model of
   atorch/auto/search/cost.py): weights and gradients in ``dtype``, the optimizer's state in the
-  parameters' dtype (AdamW: 2 states), autocast's 16-bit copies under ``amp_native``, two FSDP
-  units gathered at a time.
+  parameters' dtype (AdamW: 2 states), autocast's 16-bit copies under ``amp_native``, FSDP's root unit and
+  two other units gathered at a time, DDP's gradient buckets.
 - ``deepspeed``: DeepSpeed's mixed-precision accounting (``estimate_zero2_model_states_mem_needs``,
   ``estimate_zero3_model_states_mem_needs``): 16-bit weights (2 B) and gradients (2 B), fp32
   master weights (4 B), fp32 gradients (4 B) and fp32 optimizer state (AdamW: 8 B); under ZeRO-3
@@ -78,8 +78,8 @@ class Assumptions:
                 f"  optimizer state  {per['optimizer state']:g} B/param ({self.optimizer}: {self.state_factor:g} "
                 f"states x {self.dtype.itemsize} B)",
                 "  amp_native adds a 2 B/param 16-bit copy of the weights (not under zero2/fsdp, which cast "
-                "the gathered units); fsdp gathers its 2 largest units, and in backward holds their "
-                "gradients whole",
+                "the gathered units); fsdp keeps its root unit (embedding, norm, head) and its 2 largest units "
+                "gathered, and in backward holds their gradients whole",
             ]
         return [
             "accounting: deepspeed (mixed precision, as DeepSpeed's estimate_zero2/zero3_model_states_mem_needs)",
@@ -92,8 +92,10 @@ class Assumptions:
 
 
 def model_states(model: torch.nn.Module, sharding: str | None, world_size: int, assumptions: Assumptions) -> dict:
-    """Bytes per rank of ``params``, ``grads``, ``optim_state`` and ``gathered`` for ``model``
-    data parallel over ``world_size`` ranks with ``sharding`` (None, zero1, zero2 or fsdp)."""
+    """Bytes per rank of ``params``, ``grads``, ``optim_state``, ``gathered`` and (atorch's
+    accounting: DDP's gradient buckets) ``buckets`` for ``model`` data parallel over
+    ``world_size`` ranks with ``sharding`` (None, zero1, zero2 or fsdp): the terms the
+    ``--batch-size`` table adds activations to."""
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding {sharding!r} is not one of {SHARDINGS}")
     if assumptions.accounting == "atorch":
@@ -125,4 +127,5 @@ def _atorch_states(model, sharding, world_size, assumptions) -> dict:
         model = model.to(assumptions.dtype)
     strategy = resolve_strategy(model, Strategy(["parallel_mode", sharding] if sharding else ["parallel_mode"]))
     est = estimate_memory(model, strategy, world_size, assumptions.state_factor, 0)
-    return {"params": est.params, "grads": est.grads, "optim_state": est.optim_state, "gathered": est.gathered}
+    return {"params": est.params, "grads": est.grads, "optim_state": est.optim_state, "gathered": est.gathered,
+            "buckets": est.buckets}
