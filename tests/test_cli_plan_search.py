@@ -111,3 +111,58 @@ def test_plan_search_says_why_nothing_fits_and_needs_a_profile(tmp_path, capsys)
     assert main(["plan", "--search", "--profile", "tpu", "--hf-config", config, "--world-size", "2",
                  "--batch-size", "2"]) == 2
     assert "known profiles: h100_80gb" in capsys.readouterr().err
+
+
+def test_plan_search_json_lists_every_candidate_with_its_terms_and_reason(tmp_path, capsys):
+    config = _tiny_llama(tmp_path)
+    args = ["plan", "--search", "--profile", "h100_80gb", "--memory", "60MiB", "--hf-config", config,
+            "--world-size", "8", "--batch-size", "8", "--seq-len", "64"]
+    assert main([*args, "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    candidates = document["candidates"]
+    costed = [c for c in candidates if c["memory_bytes"] is not None]
+    assert document["estimated"] and len(costed) == document["counts"]["costed"]
+    assert {c["fits"] for c in costed} == {True, False}  # fitting or not, every costed candidate is listed
+    for c in costed:
+        assert set(c["layout"]) == {"data", "tensor", "pipeline", "microbatches", "accumulation"}
+        assert c["layout"]["data"] * c["layout"]["tensor"] * c["layout"]["pipeline"] == 8
+        assert {"total", "activations", "params", "grads", "optim_state"} <= set(c["memory_bytes"])
+        assert c["fits"] == (c["memory_bytes"]["total"] <= 60 * 2**20) and c["reason"]
+        assert c["step_seconds"] > 0 and 0 < c["mfu"] <= 1 and c["tokens_per_second_per_device"] > 0
+    fitting = [c for c in costed if c["fits"]]
+    assert fitting[0]["reason"] == "fastest that fits"
+    assert all("slower than the fastest" in c["reason"] for c in fitting[1:])
+    assert all(c["reason"].startswith("over memory by") for c in costed if not c["fits"])
+    assert all(c["reason"] for c in candidates) and all(i["reason"] for i in document["ineligible"])
+    # the table is made from the same records: its first row is the JSON's fastest
+    assert main(args) == 0
+    first = next(line for line in capsys.readouterr().out.splitlines() if re.match(r"\s+1\s{2}\S", line))
+    assert fitting[0]["layout_text"] in first and f"{fitting[0]['step_seconds']:.4g}" in first
+
+
+def test_nothing_fits_never_suggests_a_change_that_cannot_help():
+    from atorch.cli.plan_report import nothing_fits
+
+    gib = 2**30
+
+    def record(states: int, activations: int, per_rank: int) -> dict:
+        terms = {"params": states, "grads": 0, "optim_state": 0, "buckets": 0, "activations": activations,
+                 "total": states + activations}
+        return {"layout_text": "data=8", "methods": ["fsdp"], "fits": False, "memory_bytes": terms,
+                "per_rank_batch": per_rank}
+
+    # the model states alone are over: a smaller batch cannot help (the 70B-on-8-ranks case)
+    states_over = nothing_fits([record(130 * gib, 40 * gib, 8)], 80 * gib)
+    assert "a smaller batch would not" in states_over and "more ranks" in states_over
+    # activations over, several sequences a rank: a smaller batch helps
+    assert "a smaller global batch" in nothing_fits([record(20 * gib, 90 * gib, 8)], 80 * gib)
+    # one sequence a rank already: no smaller batch to suggest
+    one = nothing_fits([record(20 * gib, 90 * gib, 1)], 80 * gib)
+    assert "already holds one sequence" in one and "smaller global batch" not in one
+
+
+def test_plan_search_names_both_missing_flags_at_once(tmp_path, capsys):
+    config = _tiny_llama(tmp_path, layers=2, hidden=128)
+    assert main(["plan", "--search", "--hf-config", config, "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--profile NAME" in err and "--batch-size" in err

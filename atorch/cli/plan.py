@@ -33,6 +33,9 @@ def add_parser(sub) -> None:
     plan.add_argument("--profile", default=None,
                       help="with --search: a hardware profile name (atorch/auto/search/profiles) or JSON file")
     plan.add_argument("--top", type=int, default=10, help="with --search: how many layouts to print")
+    plan.add_argument("--json", action="store_true",
+                      help="with --search: print one JSON document (every candidate with its layout, memory terms, "
+                           "step time, MFU and reason) instead of the table")
     plan.set_defaults(func=cmd_plan)
 
 

@@ -88,8 +88,12 @@ def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, st
     for index, strategy in enumerate(candidates, 1):
         dims = layout_dims(strategy, world)
         dp = data_parallel_size(dims)
-        layout = layout_text(dims.items(), _layout_config(strategy))
-        row = {"strategy": strategy, "layout": layout, "names": [n for n in strategy.opt_names if n != "parallel_mode"]}
+        config = _layout_config(strategy) or {}
+        layout = layout_text(dims.items(), config)
+        row = {"strategy": strategy, "layout": layout, "names": [n for n in strategy.opt_names if n != "parallel_mode"],
+               "dims": {"data": dp, "tensor": dims.get("tensor", 1), "pipeline": dims.get("pipeline", 1),
+                        "microbatches": config.get("num_microbatches", 1), "accumulation": 1},
+               "per_rank_batch": global_batch // dp}
         if global_batch % dp:
             row["reason"] = f"the global batch {global_batch} does not divide over {dp} data-parallel ranks"
             rows.append(row)
@@ -105,7 +109,8 @@ def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, st
         step.profile = profile
         seconds = step.seconds()
         tokens_per_s = global_batch * seq_len / seconds
-        row.update(memory=step.memory().total, seconds=seconds, tokens_per_s=tokens_per_s,
+        estimate = step.memory()
+        row.update(memory=estimate.total, terms=estimate.as_dict(), seconds=seconds, tokens_per_s=tokens_per_s,
                    mfu=flops_per_token * tokens_per_s / (world * profile.peak("half")))
         row["fits"] = row["memory"] <= memory
         rows.append(row)
@@ -113,7 +118,8 @@ def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, st
     counts["over memory"] = sum(1 for r in rows if "memory" in r and not r["fits"])
     counts["no estimate"] = sum(1 for r in rows if "reason" in r)
     counts["fit"] = sum(1 for r in rows if r.get("fits"))
-    return {"rows": rows, "counts": counts, "flops_per_token": flops_per_token, "memory": memory}
+    return {"rows": rows, "counts": counts, "flops_per_token": flops_per_token, "memory": memory,
+            "ineligible": [(layout.text, why) for layout, why in ineligible]}
 
 
 def _layout_config(strategy) -> dict | None:
@@ -126,15 +132,20 @@ def _layout_config(strategy) -> dict | None:
 
 
 def cmd_plan_search(args) -> int:
+    import json
+
     from atorch.auto.model_states import Assumptions
     from atorch.auto.search import cost
     from atorch.auto.search.profiles import load_profile, profile_names
+    from atorch.cli import plan_report
 
+    missing = []
     if args.profile is None:
-        raise ValueError(f"atorch plan --search needs --profile NAME (known: {', '.join(profile_names())}) or the path "
-                         "of a profile JSON file")
+        missing.append(f"--profile NAME (known: {', '.join(profile_names())}) or the path of a profile JSON file")
     if args.batch_size is None:
-        raise ValueError("atorch plan --search needs --batch-size (the global batch, in sequences)")
+        missing.append("--batch-size (the global batch, in sequences)")
+    if missing:
+        raise ValueError("atorch plan --search needs " + " and ".join(missing))
     profile = load_profile(args.profile)
     memory = cost.parse_bytes(args.memory) if args.memory else profile.memory
     assumptions = Assumptions.make("atorch", args.dtype, args.optimizer)
@@ -143,12 +154,20 @@ def cmd_plan_search(args) -> int:
     params = sum(p.numel() for p in model.parameters())
     result = plan_search(model, args.world_size, args.batch_size, args.seq_len, profile, assumptions.state_factor,
                          args.exclude, memory)
-    _print(result, args, profile, params, assumptions)
+    records = plan_report.records(result, args.world_size)
+    if getattr(args, "json", False):
+        header = {"estimated": True, "profile": profile.name, "parameters": params, "world_size": args.world_size,
+                  "global_batch": args.batch_size, "seq_len": args.seq_len}
+        print(json.dumps(plan_report.document(result, records, header), indent=1))
+        return 0
+    _print(result, records, args, profile, params, assumptions)
     return 0
 
 
-def _print(result, args, profile, params, assumptions) -> None:
-    counts, rows, memory = result["counts"], result["rows"], result["memory"]
+def _print(result, records, args, profile, params, assumptions) -> None:
+    from atorch.cli import plan_report
+
+    counts, memory = result["counts"], result["memory"]
     nodes = math.ceil(args.world_size / profile.gpus_per_node)
     print(f"{params / 1e9:.3g}B parameters on {args.world_size} x {profile.name} ({nodes} node(s) of "
           f"{profile.gpus_per_node}, {memory / GIB:.1f} GiB each), global batch {args.batch_size} x {args.seq_len} tokens")
@@ -166,16 +185,22 @@ def _print(result, args, profile, params, assumptions) -> None:
           f"MFU = {result['flops_per_token'] / 1e9:.1f} GFLOP/token (3 x forward) x tokens/s / "
           f"({args.world_size} x bf16 peak)")
     print("candidates: " + ", ".join(f"{n} {k}" for k, n in counts.items() if n))
-    fitting = sorted((r for r in rows if r.get("fits")), key=lambda r: (r["seconds"], r["memory"]))
-    header = f"{'rank':>4}  {'layout':50} {'methods':52} {'GiB/rank':>8} {'step s':>8} {'tokens/s':>10} {'MFU':>6}"
+    reasons = list(dict.fromkeys(why for _, why in result["ineligible"]))  # one line per distinct reason
+    for why in reasons[:3]:
+        print(f"  ineligible: {why}")
+    if len(reasons) > 3:
+        print(f"  ... and {len(reasons) - 3} more reasons layouts are ineligible (--json lists every layout with why)")
+    fitting = [r for r in records if r["fits"]]
     if not fitting:
-        costed = sorted((r for r in rows if "memory" in r), key=lambda r: r["memory"])
-        print(f"nothing fits {memory / GIB:.1f} GiB per rank" + (
-            f"; the smallest is {costed[0]['layout']} with {' + '.join(costed[0]['names']) or 'no method'} at "
-            f"{costed[0]['memory'] / GIB:.1f} GiB: more ranks or a smaller batch would lower it" if costed else ""))
+        print(plan_report.nothing_fits(records, memory))
         return
     print(f"top {min(args.top, len(fitting))} of {len(fitting)} layouts that fit, fastest first (estimated):")
-    print(header)
-    for rank, row in enumerate(fitting[: args.top], 1):
-        print(f"{rank:>4}  {row['layout']:50} {' + '.join(row['names']) or '(plain)':52} {row['memory'] / GIB:8.2f} "
-              f"{row['seconds']:8.4g} {row['tokens_per_s']:10.0f} {row['mfu']:6.1%}")
+    print(f"{'rank':>4}  {'layout':50} {'methods':52} {'GiB/rank':>8} {'step s':>8} {'tok/s/GPU':>9} {'MFU':>6}")
+    for rank, record in enumerate(fitting[: args.top], 1):
+        print(f"{rank:>4}  {record['layout_text']:50} {' + '.join(record['methods']) or '(plain)':52} "
+              f"{record['memory_bytes']['total'] / GIB:8.2f} {record['step_seconds']:8.4g} "
+              f"{record['tokens_per_second_per_device']:9.0f} {record['mfu']:6.1%}")
+    over = [r for r in records if r["fits"] is False]
+    if over:
+        print(f"closest over memory: {over[0]['layout_text']} with {' + '.join(over[0]['methods']) or 'no method'}: "
+              f"{over[0]['reason']}")
