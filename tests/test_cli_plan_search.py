@@ -17,10 +17,13 @@ def test_h100_profile_loads_with_a_source_for_every_number():
     assert "h100_80gb" in profile_names()
     assert h100.peak("half") == pytest.approx(989.4e12) and h100.peak("fp32") == pytest.approx(66.9e12)
     assert h100.memory == 80 * 2**30 and h100.gpus_per_node == 8
-    assert h100.link(8) is h100.intra_node and h100.link(16) is h100.inter_node
+    assert h100.link(8) is h100.intra_node and h100.link(16).bandwidth == h100.inter_node.bandwidth
     assert h100.intra_node.bandwidth > h100.inter_node.bandwidth
+    # a group with every GPU of each node crosses nodes on all 8 NICs; one GPU a node on one
+    assert h100.link(64, members=64).bandwidth == pytest.approx(8 * h100.inter_node.bandwidth)
+    assert h100.link(64, members=8).bandwidth == h100.inter_node.bandwidth
     for key in ("matmul_flops.bf16", "matmul_flops.fp32", "memory", "intra_node.bandwidth", "inter_node.bandwidth",
-                "sustained_fraction"):
+                "sustained_fraction", "matmul_half_flops", "attention_flops.bf16", "overlap", "nics_per_node"):
         assert h100.sources[key], key
     assert "nvidia.com" in h100.sources["matmul_flops.bf16"]
 
@@ -45,10 +48,11 @@ def test_step_time_uses_the_profile_only_when_given():
                                                               "cuda"))
     h100 = load_profile("h100_80gb")
     nominal.profile = h100
-    # compute at the sustained bf16/fp32 rate; 16 data ranks span two nodes: InfiniBand
+    # compute at the sustained bf16/fp32 rate; 16 data ranks span two nodes: InfiniBand, on the 8
+    # NICs of each node (8 of the group's ranks a node)
     compute = 1e12 * 3 / h100.rate("fp32")
     grads = sum(p.numel() * 4 for p in model.parameters())
-    sync = 2 * grads * 15 / 16 / h100.inter_node.bandwidth + h100.inter_node.latency
+    sync = 2 * grads * 15 / 16 / (8 * h100.inter_node.bandwidth) + h100.inter_node.latency
     # DDP's all-reduce runs behind backward (two of the three passes' compute), the profile's share of it
     hidden = min(h100.overlap * sync, compute * 2 / 3)
     assert 0 < hidden < sync

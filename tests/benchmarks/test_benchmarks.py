@@ -132,3 +132,15 @@ def test_plan_speed_benchmark_runs_and_writes_results(tmp_path):
 
     markdown = plan_speed.main(["--tiny", "--out", str(tmp_path / "plan_speed")])
     assert "median" in markdown and json.loads((tmp_path / "plan_speed.json").read_text())["summary"]["n"] == 1
+
+
+def test_the_h100_profile_reproduces_published_runs_within_15_percent(tmp_path):
+    """Every llm-foundry H100 BF16 run of benchmarks/published_mfu.py, those the profile was fitted
+    to and those held out, within 15% of its published MFU (estimated by the cost model, no GPU)."""
+    pytest.importorskip("transformers")
+    from benchmarks import published_mfu
+
+    published_mfu.main(["--out", str(tmp_path / "published_mfu")])
+    rows = json.loads((tmp_path / "published_mfu.json").read_text())["rows"]
+    assert len([r for r in rows if r["set"] == "fit"]) >= 5 and any(r["set"] == "held out" for r in rows)
+    assert all(0.85 <= r["ratio"] <= 1.15 for r in rows), [(r["model"], r["seq"], r["ratio"]) for r in rows]

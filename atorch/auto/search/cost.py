@@ -630,7 +630,11 @@ class StepCost:
         if self.profile is None:
             rate = attention_rate = _FLOPS.get(self.device_type, _FLOPS["cpu"])[self.compute_dtype]
         else:
-            rate, attention_rate = self.profile.rate(self.compute_dtype), self.profile.attention_rate(self.compute_dtype)
+            # how large the matmuls are: this rank's FLOPs per operator it dispatches in one forward
+            per_op = (self.forward_flops * self.compute_share / (self.forward_ops * self.op_share)
+                      if self.forward_ops else None)
+            rate = self.profile.rate(self.compute_dtype, per_op)
+            attention_rate = self.profile.attention_rate(self.compute_dtype)
         attention = min(self.attention_flops, self.forward_flops)
         compute = ((self.forward_flops - attention) / rate + attention / attention_rate) * self.passes \
             * self.compute_share
@@ -698,12 +702,12 @@ class StepCost:
         ranks node by node)."""
         if self.profile is None:
             return (_BANDWIDTH.get(self.device_type, _BANDWIDTH["cpu"]), _LATENCY.get(self.device_type, _LATENCY["cpu"]))
-        span, reached = 1, 1
+        span, reached, members = 1, 1, 1
         for name, size in self.dims.items():
             span *= size
             if name in dims:
-                reached = span
-        link = self.profile.link(reached, kind)
+                reached, members = span, members * size
+        link = self.profile.link(reached, kind, members)
         return link.bandwidth, link.latency
 
 

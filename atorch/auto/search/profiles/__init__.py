@@ -75,30 +75,49 @@ class HardwareProfile:
     # the probe counts their FLOPs: measured by calibration on a CPU, where bf16 attention ran 5x
     # slower than fp32 while bf16 matmuls ran faster; empty: attention runs at the matmul rate
     attention_flops: dict = field(default_factory=dict)
+    # InfiniBand NICs a node has, one a GPU (DGX H100: 8); a group spanning nodes uses as many of
+    # them as it has members a node (see link)
+    nics_per_node: int = 1
+    # FLOPs per operator at which a step's matmuls reach half the sustained rate (see rate); 0:
+    # every size runs at the sustained rate
+    matmul_half_flops: float = 0.0
 
     def peak(self, compute_dtype: str) -> float:
         """Peak dense FLOP/s for the cost model's compute dtype ("half" or "fp32")."""
         return self.matmul_flops["bf16" if compute_dtype == "half" else "fp32"]
 
-    def rate(self, compute_dtype: str) -> float:
-        """Sustained FLOP/s: the peak times ``sustained_fraction``."""
-        return self.peak(compute_dtype) * self.sustained_fraction
+    def rate(self, compute_dtype: str, flops_per_op: float | None = None) -> float:
+        """Sustained FLOP/s: the peak times ``sustained_fraction``, and, when the profile has a
+        ``matmul_half_flops`` and ``flops_per_op`` is known (a step's FLOPs per operator it
+        dispatches: how large its matmuls are), times x / (x + half): small matmuls fill the
+        device less."""
+        rate = self.peak(compute_dtype) * self.sustained_fraction
+        if self.matmul_half_flops and flops_per_op:
+            rate *= flops_per_op / (flops_per_op + self.matmul_half_flops)
+        return rate
 
     def attention_rate(self, compute_dtype: str) -> float:
         """FLOP/s of attention kernels: measured when the profile has them, else :meth:`rate`."""
         measured = self.attention_flops.get("bf16" if compute_dtype == "half" else "fp32")
         return measured if measured else self.rate(compute_dtype)
 
-    def link(self, span: int, kind: str | None = None) -> Link:
-        """The link a group uses whose members lie within ``span`` consecutive ranks (ranks are
-        placed node by node): NVLink when they share a node, InfiniBand otherwise. With ``kind``
-        (a collective) measured in ``collectives``, the rate of the smallest group measured that
-        covers ``span`` (the largest measured when none does)."""
+    def link(self, span: int, kind: str | None = None, members: int | None = None) -> Link:
+        """The link a group uses whose ``members`` ranks lie within ``span`` consecutive ranks
+        (ranks are placed node by node): NVLink when they share a node, InfiniBand otherwise,
+        where a node's members each drive their own NIC: a ring collective crosses each node
+        boundary with its data split over them (NCCL runs one ring a NIC), so a group with k
+        members a node moves k x one NIC's bandwidth between nodes, up to ``nics_per_node`` NICs
+        and NVLink's rate. With ``kind`` (a collective) measured in ``collectives``, the rate of
+        the smallest group measured that covers ``span`` (the largest measured when none does)."""
         measured = self.collectives.get(kind) if kind else None
         if measured:
             sizes = sorted(measured)
             return measured[next((s for s in sizes if s >= span), sizes[-1])]
-        return self.intra_node if span <= self.gpus_per_node else self.inter_node
+        if span <= self.gpus_per_node:
+            return self.intra_node
+        per_node = max(1, (members or 1) * self.gpus_per_node // span)
+        nics = min(per_node, self.nics_per_node)
+        return Link(min(self.inter_node.bandwidth * nics, self.intra_node.bandwidth), self.inter_node.latency)
 
 
 def profile_names() -> list[str]:
@@ -169,5 +188,7 @@ def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwarePro
         collectives=collectives,
         overlap=overlap,
         attention_flops=attention,
+        nics_per_node=int(data.get("nics_per_node", 1)),
+        matmul_half_flops=float(data.get("matmul_half_flops", 0.0)),
         **host,
     )
