@@ -95,11 +95,13 @@ def nothing_fits(records_: list[dict], memory: int) -> str:
                 "per rank: only more ranks to shard them over, a smaller model or less state (an optimizer with "
                 "fewer states, a 16-bit model) would help; a smaller batch would not")
     rest = terms["total"] - states
-    if smallest.get("per_rank_batch", 1) > 1:
-        change = (f"a smaller global batch (each data rank holds {smallest['per_rank_batch']} sequences), a "
-                  "shorter sequence or more ranks would lower it")
+    micro = smallest.get("per_rank_batch", 1) // smallest["layout"].get("accumulation", 1)
+    if micro > 1:
+        change = (f"a smaller micro-batch (each data rank runs {micro} sequences at once: a smaller global batch, or "
+                  "one that more accumulation steps divide), a shorter sequence or more ranks would lower it")
     else:
-        change = "each data rank already holds one sequence: a shorter sequence or more ranks would lower it"
+        change = ("each data rank already runs one sequence at a time (with gradient accumulation): a shorter "
+                  "sequence or more ranks would lower it")
     return f"{head}, of which {rest / GIB:.1f} GiB are activations and what the step holds with them; {change}"
 
 

@@ -47,7 +47,7 @@ def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, st
     from atorch.auto.environment import DeviceContext
     from atorch.auto.search import cost
     from atorch.auto.search.attention import FlashAttentionProbe
-    from atorch.auto.search.engine import cost_candidate, layout_dims
+    from atorch.auto.search.engine import layout_dims
     from atorch.auto.search.space import candidate_space, layout_space, layout_text
     from atorch.auto.strategy import Strategy
     from atorch.distributed.topology import data_parallel_size
@@ -72,11 +72,13 @@ def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, st
             _progress(f"  probed activations of one sequence under: {', '.join(strategy.opt_names) or 'no method'}")
         return saved, flops[0] if flops else 0.0
 
-    def probe(strategy, flops: list, dims: dict) -> tuple[int, int]:
-        per_rank = global_batch // data_parallel_size(dims)
-        saved, forward = probe_one(strategy)
-        flops.append(forward * per_rank)
-        return saved * per_rank, per_rank * seq_len
+    def probe_for(accumulation: int):
+        def probe(strategy, flops: list, dims: dict) -> tuple[int, int]:
+            per_rank = global_batch // data_parallel_size(dims)
+            saved, forward = probe_one(strategy)
+            flops.append(forward * per_rank)
+            return saved * (per_rank // accumulation), per_rank * seq_len  # one micro-batch's activations
+        return probe
 
     _, forward = probe_one(Strategy())
     flops_per_token = 3 * forward / seq_len  # forward + backward, no recomputation: model FLOPs
@@ -89,8 +91,8 @@ def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, st
         dims = layout_dims(strategy, world)
         dp = data_parallel_size(dims)
         config = _layout_config(strategy) or {}
-        layout = layout_text(dims.items(), config)
-        row = {"strategy": strategy, "layout": layout, "names": [n for n in strategy.opt_names if n != "parallel_mode"],
+        row = {"strategy": strategy, "layout": layout_text(dims.items(), config),
+               "names": [n for n in strategy.opt_names if n != "parallel_mode"],
                "dims": {"data": dp, "tensor": dims.get("tensor", 1), "pipeline": dims.get("pipeline", 1),
                         "microbatches": config.get("num_microbatches", 1), "accumulation": 1},
                "per_rank_batch": global_batch // dp}
@@ -100,26 +102,60 @@ def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, st
             continue
         if index % 50 == 0:
             _progress(f"  [{index}/{len(candidates)}] costed")
-        with quiet():
-            step, reason = cost_candidate(model, strategy, dims, state_factor, probe, "cuda")
-        if step is None:
-            row["reason"] = reason or "no estimate (a method cannot be costed on the meta device)"
-            rows.append(row)
-            continue
-        step.profile = profile
-        seconds = step.seconds()
-        tokens_per_s = global_batch * seq_len / seconds
-        estimate = step.memory()
-        row.update(memory=estimate.total, terms=estimate.as_dict(), seconds=seconds, tokens_per_s=tokens_per_s,
-                   mfu=flops_per_token * tokens_per_s / (world * profile.peak("half")))
-        row["fits"] = row["memory"] <= memory
-        rows.append(row)
+        for steps in accumulation_choices(strategy, global_batch // dp):
+            costed = _costed(dict(row, dims=dict(row["dims"], accumulation=steps)), model, strategy, dims, steps,
+                             state_factor, probe_for(steps), profile, global_batch, seq_len, flops_per_token, world,
+                             memory)
+            rows.append(costed)
+            if costed.get("fits") is not False:  # fits, or no estimate: no more accumulation to try
+                break
     counts["costed"] = sum(1 for r in rows if "memory" in r)
     counts["over memory"] = sum(1 for r in rows if "memory" in r and not r["fits"])
     counts["no estimate"] = sum(1 for r in rows if "reason" in r)
     counts["fit"] = sum(1 for r in rows if r.get("fits"))
     return {"rows": rows, "counts": counts, "flops_per_token": flops_per_token, "memory": memory,
             "ineligible": [(layout.text, why) for layout, why in ineligible]}
+
+
+def accumulation_choices(strategy, per_rank: int) -> list[int]:
+    """Gradient accumulation steps to try, fewest first: 1, then each power of 2 that divides the
+    per-rank batch (micro-batches of at least one sequence), where the strategy's runtime
+    accumulates (auto_accelerate's gradient_accumulation_steps: not under a pipeline, which
+    accumulates over its own microbatches, nor DeepSpeed's engine, which runs its own step)."""
+    from atorch.auto.registry import get_method
+
+    names = set(strategy.opt_names)
+    if any(get_method(n).uses_dims and "pipeline" in get_method(n).uses_dims for n in names) \
+            or "ds_3d_parallel" in names or any(getattr(c, "use_ds_zero", False) for _, c in strategy.items()):
+        return [1]
+    choices, steps = [1], 2
+    while steps <= per_rank and per_rank % steps == 0:
+        choices.append(steps)
+        steps *= 2
+    return choices
+
+
+def _costed(row: dict, model, strategy, dims, steps, state_factor, probe, profile, global_batch, seq_len,
+            flops_per_token, world, memory) -> dict:
+    """``row`` with the candidate's estimate at ``steps`` accumulation steps (or why it has none)."""
+    from atorch.auto.search.engine import cost_candidate
+    from atorch.auto.search.space import layout_text
+    from atorch.utils.log import quiet
+
+    if steps > 1:
+        row["layout"] = layout_text(dims.items(), _layout_config(strategy)) + f", accumulation={steps}"
+    with quiet():
+        step, reason = cost_candidate(model, strategy, dims, state_factor, probe, "cuda", accumulation=steps)
+    if step is None:
+        row["reason"] = reason or "no estimate (a method cannot be costed on the meta device)"
+        return row
+    step.profile = profile
+    seconds = step.seconds()
+    tokens_per_s = global_batch * seq_len / seconds
+    estimate = step.memory()
+    row.update(memory=estimate.total, terms=estimate.as_dict(), seconds=seconds, tokens_per_s=tokens_per_s,
+               mfu=flops_per_token * tokens_per_s / (world * profile.peak("half")), fits=estimate.total <= memory)
+    return row
 
 
 def _layout_config(strategy) -> dict | None:
@@ -178,7 +214,8 @@ def _print(result, records, args, profile, params, assumptions) -> None:
         print(line)
     attention = "flash attention (no seq x seq probabilities)" if profile.attention == "flash" else "SDPA's math form"
     print(f"  activations      probed on ONE sequence (1 x {args.seq_len}) on the meta device, attention as "
-          f"{attention}, scaled linearly to each layout's per-data-rank batch (no gradient accumulation)")
+          f"{attention}, scaled linearly to each layout's micro-batch; a candidate over memory is tried again with "
+          "gradient accumulation (2, 4, ... micro-batches a step) until it fits")
     hidden = (f"{profile.overlap:g} of the data-parallel sync a method issues during a pass hidden behind its compute"
               if profile.overlap else "none of it overlapped")
     print(f"  time             compute / sustained rate x (1 + pipeline bubble) + communication, {hidden}; "

@@ -164,6 +164,24 @@ def cost_term(config: FsdpConfig, cost) -> None:
     cost.sync_in_hooks = True  # FSDP2 issues each of them
     # the next unit is gathered while this one computes; gradients reduced as backward makes them
     cost.sync_overlap = {"all_gather": ("forward", "backward"), "reduce_scatter": ("backward",)}
+    accumulation_terms(cost, share)
+
+
+def accumulation_terms(cost, reduce_share: float) -> None:
+    """FSDP2 under gradient accumulation, as atorch runs it (atorch/auto/loop.py turns its gradient
+    sync off until the last micro-batch): every micro-batch gathers the units again, and the
+    unsharded gradients accumulate whole, in the reduce dtype, until the one reduce-scatter: the
+    rank's whole piece of them alive through the step. (Megatron and Composer reduce-scatter every
+    micro-batch instead, trading traffic for this memory.)"""
+    steps = cost.accumulation
+    if steps <= 1:
+        return
+    cost.data_sync["params"] = cost.data_sync.get("params", 0) * steps
+    cost.sync_calls["all_gather"] = cost.sync_calls.get("all_gather", 1) * steps
+    whole = cost.param_bytes(trainable_only=True) * cost.weight_scale * cost.split * cost.stage_share
+    # whole at every moment (StepCost.memory counts every gradient alive under accumulation), in
+    # place of the units' whole gradients of a step without it
+    cost.unit_grads = cost.whole_grads = whole * reduce_share
 
 
 register_method(

@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 from atorch.auto.config_types import MethodConfig, class_name
 from atorch.auto.context import ModelContext
 from atorch.auto.registry import ONE_SHARDING, MethodSpec, Stage, register_method
-from atorch.methods.fsdp import compute_dtype_share, mixed_precision_from
+from atorch.methods.fsdp import accumulation_terms, compute_dtype_share, mixed_precision_from
 from atorch.sharding import fsdp2
 from atorch.sharding.deepspeed import deepspeed_unavailable, wrap_deepspeed, zero_memory_terms
 from atorch.utils.memo import once
@@ -122,6 +122,7 @@ def cost_term(config: Zero2Config, cost) -> None:
         cost.sync_calls = {"all_gather": units, "reduce_scatter": units}
         cost.sync_overlap = {"reduce_scatter": ("backward",), "all_gather": ("forward",)}
         cost.sync_in_hooks = True  # FSDP2 issues each of them
+        accumulation_terms(cost, 1.0)  # reduced in fp32, the model's dtype
 
 
 def _unit_bytes(model, bucket_params: int) -> tuple[list[int], int]:

@@ -3,6 +3,7 @@ groups: a dispatch mode that sees every ``c10d`` operator as torch.distributed d
 (forward and backward alike) and lets it run. The cost model's communication terms are checked
 against these counts, not against a restated formula."""
 
+import contextlib
 from collections import Counter
 
 import torch
@@ -85,24 +86,34 @@ class Collectives(TorchDispatchMode):
         return out
 
 
-def step_traffic(model, load_strategy, dataset, batch_size: int = 8, loss_func=None) -> dict:
+def step_traffic(model, load_strategy, dataset, batch_size: int = 8, loss_func=None, accumulation: int = 1,
+                 peak: bool = False) -> dict:
     """The collectives of one training step (after a first, which may set things up), by the
-    dim of the group they ran over (:meth:`Collectives.by_dim`); on every rank of a run."""
+    dim of the group they ran over (:meth:`Collectives.by_dim`); on every rank of a run. A step
+    is ``accumulation`` micro-batches (auto_accelerate's gradient_accumulation_steps) and one
+    optimizer step; with ``peak``, the step's peak tensor bytes too (under "peak")."""
     from atorch.auto import auto_accelerate
+    from atorch.auto.search.peak import PeakMemory
     from atorch.parallel_state import current_topology
 
     _, result, _ = auto_accelerate(model, torch.optim.AdamW, dataset, loss_func or (lambda b, out: out.loss),
                                    optim_args={"lr": 1e-3}, dataloader_args={"batch_size": batch_size},
-                                   model_input_format="unpack_dict", load_strategy=load_strategy)
+                                   model_input_format="unpack_dict", load_strategy=load_strategy,
+                                   gradient_accumulation_steps=accumulation)
     batches = iter(result.dataloader)
 
     def step():
-        batch = result.prepare_input(next(batches), torch.device("cpu"))
-        loss = result.loss_func(batch, result.model(**batch))
-        result.backward(loss)
-        result.step()
+        for _ in range(accumulation):
+            batch = result.prepare_input(next(batches), torch.device("cpu"))
+            loss = result.loss_func(batch, result.model(**batch))
+            result.backward(loss)
+            result.step()
 
     step()
-    with Collectives() as seen:
+    tracker = PeakMemory(result.model, result.optim) if peak else contextlib.nullcontext()
+    with Collectives() as seen, tracker:
         step()
-    return seen.by_dim(current_topology())
+    out = seen.by_dim(current_topology())
+    if peak:
+        out["peak"] = tracker.peak
+    return out

@@ -544,6 +544,12 @@ class StepCost:
     # work around it
     sync_in_hooks: bool = False
     bubble: float = 0.0  # idle time of a pipeline schedule, as a fraction of the compute
+    # gradient accumulation: micro-batches per optimizer step (``auto_accelerate``'s
+    # gradient_accumulation_steps). ``activations`` are one micro-batch's, ``forward_flops`` and
+    # ``tokens`` the whole step's; each micro-batch dispatches the forward's operators and the
+    # activation collectives (``comms``' messages) again, while the gradients are reduced once (a
+    # method whose sync runs per micro-batch says so in its term)
+    accumulation: int = 1
     # bytes moved over the data-parallel group per step, as multiples of the rank's model piece's
     # parameter and gradient bytes ({"grads": 2}: an all-reduce); a ring over n ranks moves
     # (n-1)/n of that per rank
@@ -611,6 +617,8 @@ class StepCost:
 
     def memory(self) -> "MemoryEstimate":
         moments = self.activation_profile or ((1.0, self.backward_grad_share, 1.0),)
+        if self.accumulation > 1:  # the earlier micro-batches' gradients are alive at every moment
+            moments = tuple((a, 1.0, c) for a, _, c in moments)
         # without a measured profile the one moment may be forward's end or late backward
         forward_only = lambda g: self.forward_gathered if g <= 0 or not self.activation_profile else 0.0  # noqa: E731
         acts, grads, copies, forward = max(((self.activations * a, self.grads_at(g), self.copies * c, forward_only(g))
@@ -631,7 +639,7 @@ class StepCost:
             rate = attention_rate = _FLOPS.get(self.device_type, _FLOPS["cpu"])[self.compute_dtype]
         else:
             # how large the matmuls are: this rank's FLOPs per operator it dispatches in one forward
-            per_op = (self.forward_flops * self.compute_share / (self.forward_ops * self.op_share)
+            per_op = (self.forward_flops * self.compute_share / (self.forward_ops * self.op_share * self.accumulation)
                       if self.forward_ops else None)
             rate = self.profile.rate(self.compute_dtype, per_op)
             attention_rate = self.profile.attention_rate(self.compute_dtype)
@@ -646,7 +654,7 @@ class StepCost:
             hooks = self.checkpointed_saves * self.profile.checkpoint_save_seconds
             if self.sync_in_hooks:
                 wrapped = sum(self.sync_calls.values()) * self.profile.wrapped_call_seconds
-        overhead = (self.forward_ops * self.passes * op_seconds + hooks) * self.op_share + wrapped
+        overhead = (self.forward_ops * self.passes * op_seconds + hooks) * self.op_share * self.accumulation + wrapped
         compute = max(compute, overhead) if self.device_type == "cuda" else compute + overhead
         # what a collective can hide behind: each pass's compute, shared by the collectives in it
         hides = 0.0 if self.profile is None else self.profile.overlap
@@ -667,7 +675,7 @@ class StepCost:
         for c in self.comms:
             if self.size(c.dim) > 1:
                 bandwidth, latency = self._link((c.dim,), c.kind)
-                comm += c.elements * element * c.factor / bandwidth + c.messages * latency
+                comm += c.elements * element * c.factor / bandwidth + c.messages * self.accumulation * latency
         return compute * (1 + self.bubble) + comm + self.stepped * self.optim_seconds_per_byte
 
     def data_sync_collectives(self) -> list[tuple[str, float, float]]:
@@ -715,11 +723,13 @@ def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int],
                activations: int, forward_flops: float = 0.0, tokens: int = 0, device_type: str = "cpu",
                forward_ops: float = 0.0, optim_seconds_per_byte: float = 0.0,
                activation_profile: tuple = (), checkpointed_saves: float = 0.0, unit_spans: tuple = (),
-               attention_flops: float = 0.0) -> StepCost:
-    """The candidate's :class:`StepCost`: the whole model's terms, then each method's ``cost_term``."""
+               attention_flops: float = 0.0, accumulation: int = 1) -> StepCost:
+    """The candidate's :class:`StepCost`: the whole model's terms, then each method's ``cost_term``
+    (``accumulation``: see StepCost.accumulation)."""
     cost = StepCost(model, dict(dims), state_factor, device_type, forward_flops, tokens,
                     frozenset(absorbed_methods(strategy)),
                     tuple(strategy.opt_names), forward_ops, optim_seconds_per_byte)
+    cost.accumulation = accumulation
     cost.params = cost.param_bytes()
     trainable = cost.param_bytes(trainable_only=True)
     cost.grads = cost.stepped = trainable

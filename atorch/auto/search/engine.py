@@ -83,7 +83,7 @@ def estimate_candidate(model, strategy, dp_size, state_factor, probe,
 
 
 def cost_candidate(model, strategy, dims, state_factor, probe, device_type: str = "cpu",
-                   optim_seconds_per_byte: float = 0.0) -> tuple[cost.StepCost | None, str | None]:
+                   optim_seconds_per_byte: float = 0.0, accumulation: int = 1) -> tuple[cost.StepCost | None, str | None]:
     """The candidate's cost (memory and step time), or the config error that rules it out. Any
     other failure leaves the cost unknown: the dry run will meet the failure and record it
     properly. ``probe(strategy, counts, dims)`` returns activation bytes of one forward on a
@@ -101,7 +101,7 @@ def cost_candidate(model, strategy, dims, state_factor, probe, device_type: str 
         # attention; a probe may count only the FLOPs (atorch plan --search)
         flops, ops, profile, hooked, spans, attention = counts + [0.0, 0.0, (), 0, (), 0.0][len(counts):]
         return cost.build_cost(model, strategy, dims, state_factor, activations, flops, tokens, device_type, ops,
-                               optim_seconds_per_byte, profile, hooked, spans, attention), None
+                               optim_seconds_per_byte, profile, hooked, spans, attention, accumulation), None
     except Exception as error:  # noqa: BLE001
         logger.debug("no estimate for %s: %s", strategy.opt_names, error)
         return None, None

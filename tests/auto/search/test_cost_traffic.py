@@ -117,3 +117,37 @@ def test_a_pipelines_data_parallel_sync_is_one_all_reduce_a_parameter():
     # data ranks, for the loss run_train returns
     assert _sync_charged(cost) == {"all_reduce": (calls - 1, payload - 2 * 4)}, ranks
     assert cost.sync_overlap == {}
+
+
+ACCUMULATED = {"fsdp": ["parallel_mode", "fsdp"], "ddp": ["parallel_mode"]}
+
+
+def _accumulated_runs() -> dict:
+    from tests.helpers.comms import step_traffic
+    from tests.helpers.hf import CountingTokens
+
+    return {(name, steps): step_traffic(_tiny_llama(), methods, CountingTokens(), BATCH, accumulation=steps)["data"]
+            for name, methods in ACCUMULATED.items() for steps in (1, 2)}
+
+
+def test_gradient_accumulation_syncs_the_gradients_once_and_fsdp_gathers_every_micro_batch():
+    """auto_accelerate's gradient_accumulation_steps=2 on 2 ranks: DDP all-reduces once a step
+    whatever the micro-batches; FSDP2 gathers its units again for each micro-batch and
+    reduce-scatters once. StepCost.accumulation charges the same."""
+    pytest.importorskip("transformers")
+    seen = run_distributed(_accumulated_runs, 2)[0]
+    for name, methods in ACCUMULATED.items():
+        for steps in (1, 2):
+            step = _cost(methods, {"data": 2})
+            charged = _sync_charged(build_cost(step.model, step_strategy(methods, step.model), {"data": 2}, 2.0, 0,
+                                               1e9, BATCH, accumulation=steps))
+            # (DDP also broadcasts its buffers, a Llama's rotary frequencies, 124 bytes at each forward)
+            counted = {k: v for k, v in seen[(name, steps)].items() if k != "broadcast"}
+            assert {k: (c, pytest.approx(b, rel=0.02)) for k, (c, b) in charged.items()} == counted, (name, steps)
+    assert seen[("ddp", 2)]["all_reduce"] == seen[("ddp", 1)]["all_reduce"]
+    assert seen[("fsdp", 2)]["all_gather"][0] == 2 * seen[("fsdp", 1)]["all_gather"][0]
+    assert seen[("fsdp", 2)]["reduce_scatter"] == seen[("fsdp", 1)]["reduce_scatter"]
+
+
+def step_strategy(methods, model):
+    return resolve_strategy(model, Strategy(methods))
