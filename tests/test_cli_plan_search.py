@@ -23,7 +23,7 @@ def test_h100_profile_loads_with_a_source_for_every_number():
     assert h100.link(64, members=64).bandwidth == pytest.approx(8 * h100.inter_node.bandwidth)
     assert h100.link(64, members=8).bandwidth == h100.inter_node.bandwidth
     for key in ("matmul_flops.bf16", "matmul_flops.fp32", "memory", "intra_node.bandwidth", "inter_node.bandwidth",
-                "sustained_fraction", "matmul_half_flops", "attention_flops.bf16", "overlap", "nics_per_node"):
+                "sustained_fraction", "kernel_seconds", "attention_flops.bf16", "overlap", "nics_per_node"):
         assert h100.sources[key], key
     assert "nvidia.com" in h100.sources["matmul_flops.bf16"]
 

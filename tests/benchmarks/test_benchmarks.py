@@ -144,3 +144,12 @@ def test_the_h100_profile_reproduces_published_runs_within_15_percent(tmp_path):
     rows = json.loads((tmp_path / "published_mfu.json").read_text())["rows"]
     assert len([r for r in rows if r["set"] == "fit"]) >= 5 and any(r["set"] == "held out" for r in rows)
     assert all(0.85 <= r["ratio"] <= 1.15 for r in rows), [(r["model"], r["seq"], r["ratio"]) for r in rows]
+
+
+def test_plan_llama_benchmark_runs_and_writes_results(tmp_path):
+    pytest.importorskip("transformers")
+    from benchmarks import plan_llama
+
+    markdown = plan_llama.main(["--tiny", "--out", str(tmp_path / "plan_llama")])
+    cases = json.loads((tmp_path / "plan_llama.json").read_text())["cases"]
+    assert "7B" in markdown and cases[0]["top"] and cases[0]["top"][0]["reason"] == "fastest that fits"

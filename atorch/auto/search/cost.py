@@ -638,14 +638,13 @@ class StepCost:
         if self.profile is None:
             rate = attention_rate = _FLOPS.get(self.device_type, _FLOPS["cpu"])[self.compute_dtype]
         else:
-            # how large the matmuls are: this rank's FLOPs per operator it dispatches in one forward
-            per_op = (self.forward_flops * self.compute_share / (self.forward_ops * self.op_share * self.accumulation)
-                      if self.forward_ops else None)
-            rate = self.profile.rate(self.compute_dtype, per_op)
-            attention_rate = self.profile.attention_rate(self.compute_dtype)
+            rate, attention_rate = self.profile.rate(self.compute_dtype), self.profile.attention_rate(self.compute_dtype)
         attention = min(self.attention_flops, self.forward_flops)
         compute = ((self.forward_flops - attention) / rate + attention / attention_rate) * self.passes \
             * self.compute_share
+        # each operator's kernel costs the device a fixed time beyond its FLOPs (profile's kernel_seconds)
+        launches = self.forward_ops * self.passes * self.op_share * self.accumulation
+        compute += launches * (self.profile.kernel_seconds if self.profile is not None else 0.0)
         # framework overhead per operator: calibrated on this machine, none in a datasheet profile;
         # on a GPU the host issues operators while earlier kernels run: the slower of the two counts
         op_seconds = 0.0 if self.profile is None else self.profile.op_seconds

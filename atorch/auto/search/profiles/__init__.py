@@ -78,23 +78,17 @@ class HardwareProfile:
     # InfiniBand NICs a node has, one a GPU (DGX H100: 8); a group spanning nodes uses as many of
     # them as it has members a node (see link)
     nics_per_node: int = 1
-    # FLOPs per operator at which a step's matmuls reach half the sustained rate (see rate); 0:
-    # every size runs at the sustained rate
-    matmul_half_flops: float = 0.0
+    # device seconds each dispatched operator costs beyond its FLOPs (a kernel's launch and tail):
+    # what makes small micro-batches and narrow models fill the GPU less; 0 when absent
+    kernel_seconds: float = 0.0
 
     def peak(self, compute_dtype: str) -> float:
         """Peak dense FLOP/s for the cost model's compute dtype ("half" or "fp32")."""
         return self.matmul_flops["bf16" if compute_dtype == "half" else "fp32"]
 
-    def rate(self, compute_dtype: str, flops_per_op: float | None = None) -> float:
-        """Sustained FLOP/s: the peak times ``sustained_fraction``, and, when the profile has a
-        ``matmul_half_flops`` and ``flops_per_op`` is known (a step's FLOPs per operator it
-        dispatches: how large its matmuls are), times x / (x + half): small matmuls fill the
-        device less."""
-        rate = self.peak(compute_dtype) * self.sustained_fraction
-        if self.matmul_half_flops and flops_per_op:
-            rate *= flops_per_op / (flops_per_op + self.matmul_half_flops)
-        return rate
+    def rate(self, compute_dtype: str) -> float:
+        """Sustained FLOP/s: the peak times ``sustained_fraction``."""
+        return self.peak(compute_dtype) * self.sustained_fraction
 
     def attention_rate(self, compute_dtype: str) -> float:
         """FLOP/s of attention kernels: measured when the profile has them, else :meth:`rate`."""
@@ -189,6 +183,6 @@ def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwarePro
         overlap=overlap,
         attention_flops=attention,
         nics_per_node=int(data.get("nics_per_node", 1)),
-        matmul_half_flops=float(data.get("matmul_half_flops", 0.0)),
+        kernel_seconds=float(data.get("kernel_seconds", 0.0)),
         **host,
     )
