@@ -128,7 +128,7 @@ def test_plan_search_json_lists_every_candidate_with_its_terms_and_reason(tmp_pa
     assert document["estimated"] and len(costed) == document["counts"]["costed"]
     assert {c["fits"] for c in costed} == {True, False}  # fitting or not, every costed candidate is listed
     for c in costed:
-        assert set(c["layout"]) == {"data", "tensor", "pipeline", "microbatches", "accumulation"}
+        assert set(c["layout"]) == {"data", "tensor", "pipeline", "microbatches", "virtual_stages", "accumulation"}
         assert c["layout"]["data"] * c["layout"]["tensor"] * c["layout"]["pipeline"] == 8
         assert {"total", "activations", "params", "grads", "optim_state"} <= set(c["memory_bytes"])
         assert c["fits"] == (c["memory_bytes"]["total"] <= 60 * 2**20) and c["reason"]

@@ -94,7 +94,8 @@ def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, st
         row = {"strategy": strategy, "layout": layout_text(dims.items(), config),
                "names": [n for n in strategy.opt_names if n != "parallel_mode"],
                "dims": {"data": dp, "tensor": dims.get("tensor", 1), "pipeline": dims.get("pipeline", 1),
-                        "microbatches": config.get("num_microbatches", 1), "accumulation": 1},
+                        "microbatches": config.get("num_microbatches", 1),
+                        "virtual_stages": config.get("virtual_pipeline_size") or 1, "accumulation": 1},
                "per_rank_batch": global_batch // dp}
         if global_batch % dp:
             row["reason"] = f"the global batch {global_batch} does not divide over {dp} data-parallel ranks"

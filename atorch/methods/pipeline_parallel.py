@@ -41,8 +41,10 @@ def divisors(n: int) -> list[int]:
 
 def layouts(world_size: int) -> list[tuple[dict[str, int], dict]]:
     # Microbatches: as many as stages (the fewest that fill the pipeline) and twice that (half
-    # the bubble, smaller matmuls); the 1F1B schedule. Interleaved schedules are not searched.
-    return [({"pipeline": p}, {"num_microbatches": m}) for p in divisors(world_size) for m in (p, 2 * p)]
+    # the bubble, smaller matmuls); the 1F1B schedule, and interleaved 1F1B with 2 virtual stages
+    # a rank (half the bubble again, twice the sends; a model needs 2 x stages layers for it).
+    return [({"pipeline": p}, {"num_microbatches": m, **({"virtual_pipeline_size": v} if v > 1 else {})})
+            for p in divisors(world_size) for m in (p, 2 * p) for v in (1, 2)]
 
 
 def stage_ranges(model: torch.nn.Module, config: PipelineFields, stages: int) -> list[list[str]]:
@@ -293,8 +295,10 @@ register_method(
         uses_dims=("pipeline",),
         needs_dims=("pipeline",),
         conflicts={
-            **dict.fromkeys(("fsdp", "zero1", "zero2"), "the pipeline model averages its stages' gradients over the "
-                            "data ranks itself; the sharding wrappers expect the whole model on every rank"),
+            # zero1 composes: ZeroRedundancyOptimizer shards the stage's optimizer state over the data
+            # ranks of that stage (Megatron's distributed optimizer beside its pipeline)
+            **dict.fromkeys(("fsdp", "zero2"), "the pipeline model averages its stages' gradients over the data "
+                            "ranks itself; the sharding wrappers expect the whole model on every rank (zero1 composes)"),
             **dict.fromkeys(("tensor_parallel", "sequence_parallel"), "tensor x pipeline is mixed_parallel; use it"),
         },
         resolve=resolve,

@@ -69,7 +69,9 @@ def _unsupported(device_ctx, config: Zero1Config) -> str | None:
 
 def cost_term(config: Zero1Config, cost) -> None:
     cost.shard_over_data(params=False, grads=False, optim=True)
-    cost.grad_buckets = not config.use_ds_zero  # DeepSpeed's engine replaces DDP
+    # a pipeline model averages its stages' gradients itself (pipeline_terms), with no DDP
+    pipelined = "pipeline_parallel" in cost.methods
+    cost.grad_buckets = not config.use_ds_zero and not pipelined  # DeepSpeed's engine replaces DDP
     if not config.use_ds_zero:
         # ZeroRedundancyOptimizer hands out whole tensors: some rank holds the largest one (often
         # the embedding), however many ranks there are.
@@ -81,6 +83,9 @@ def cost_term(config: Zero1Config, cost) -> None:
     else:
         zero_memory_terms(cost, config.ds_config)
     cost.data_sync = {"grads": 2, "params": 1}  # all-reduce gradients, broadcast updated parameters
+    if pipelined:  # the pipeline's blocking all-reduce a parameter stays; the broadcasts follow the step
+        cost.sync_calls = {**cost.sync_calls, "all_gather": cost.dp_size}
+        return
     # DDP's gradient buckets, then one broadcast per rank (each rank's bucket of updated parameters)
     cost.sync_calls = {"bucket_bytes": DDP_BUCKET_BYTES, "all_gather": cost.dp_size}
     # the all-reduce runs in DDP's buckets during backward; the broadcast waits for the step

@@ -36,6 +36,8 @@ def layout_text(dims, config: dict | None = None) -> str:
     text = " x ".join(f"{name}={size}" for name, size in dims if size > 1) or "1 rank"
     if config and config.get("num_microbatches"):
         text += f", microbatches={config['num_microbatches']}"
+    if config and (config.get("virtual_pipeline_size") or 1) > 1:
+        text += f", virtual stages={config['virtual_pipeline_size']}"
     return text
 
 

@@ -103,20 +103,29 @@ PP2_DP2 = [("parallel_mode", ([("pipeline", 2), ("data", 2)], None)), ("pipeline
 
 
 def _pipeline_run() -> dict:
-    return _traffic(PP2_DP2)
+    return {"plain": _traffic(PP2_DP2), "zero1": _traffic([*PP2_DP2, "zero1"])}
 
 
 def test_a_pipelines_data_parallel_sync_is_one_all_reduce_a_parameter():
     """The pipeline model all-reduces each of its stages' gradients after the schedule (no DDP
-    buckets, nothing overlapped): the term had charged DDP's bucketed, overlapped all-reduce."""
+    buckets, nothing overlapped): the term had charged DDP's bucketed, overlapped all-reduce. With
+    zero1 the same, then one broadcast of updated parameters a data rank."""
     pytest.importorskip("transformers")
-    ranks = run_distributed(_pipeline_run, 4, timeout_s=300)
-    cost = _cost(PP2_DP2, {"pipeline": 2, "data": 2})
-    calls, payload = max((r["data"]["all_reduce"] for r in ranks), key=lambda calls_bytes: calls_bytes[1])
-    # besides the gradients, every rank all-reduces the step's microbatch losses (2 fp32) over the
-    # data ranks, for the loss run_train returns
-    assert _sync_charged(cost) == {"all_reduce": (calls - 1, payload - 2 * 4)}, ranks
-    assert cost.sync_overlap == {}
+    runs = run_distributed(_pipeline_run, 4, timeout_s=300)
+    for name, methods in (("plain", PP2_DP2), ("zero1", [*PP2_DP2, "zero1"])):
+        ranks = [r[name] for r in runs]
+        cost = _cost(methods, {"pipeline": 2, "data": 2})
+        # the rank with the larger stage, as the cost model costs it
+        largest = max(ranks, key=lambda r: r["data"]["all_reduce"][1])
+        calls, payload = largest["data"]["all_reduce"]
+        # besides the gradients, every rank all-reduces the step's microbatch losses (2 fp32) over
+        # the data ranks, for the loss run_train returns
+        expected = {"all_reduce": (calls - 1, payload - 2 * 4)}
+        if name == "zero1":  # then ZeroRedundancyOptimizer broadcasts each rank's updated share
+            expected["all_gather"] = largest["data"]["broadcast"]
+        charged = _sync_charged(cost)
+        assert {k: (c, round(b)) for k, (c, b) in charged.items()} == expected, (name, ranks)
+        assert cost.sync_overlap == {} and not cost.grad_buckets
 
 
 ACCUMULATED = {"fsdp": ["parallel_mode", "fsdp"], "ddp": ["parallel_mode"]}

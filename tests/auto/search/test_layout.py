@@ -68,9 +68,13 @@ def test_the_space_lists_tensor_and_pipeline_layouts_and_says_why_others_cannot_
         "data=4", "pipeline=2 x data=2, microbatches=2", "pipeline=2 x data=2, microbatches=4", "tensor=2 x data=2",
         "tensor=2 x pipeline=2, microbatches=2", "tensor=2 x pipeline=2, microbatches=4"]
     reasons = {layout.text: why for layout, why in ineligible}
-    assert set(reasons) == {"tensor=4", "pipeline=4, microbatches=4", "pipeline=4, microbatches=8"}
+    # 2 virtual stages a rank (interleaved 1F1B) need 4 stages of the 2 layers even on pipeline=2
+    virtual = {f"pipeline={p}{' x data=2' if p == 2 else ''}, microbatches={m}, virtual stages=2"
+               for p in (2, 4) for m in (p, 2 * p)}
+    assert set(reasons) == {"tensor=4", "pipeline=4, microbatches=4", "pipeline=4, microbatches=8"} | virtual
     assert "6 heads do not divide over 4 ranks" in reasons["tensor=4"]
     assert "4 stages but the model has 2 layers" in reasons["pipeline=4, microbatches=4"]
+    assert "4 stages but the model has 2 layers" in reasons["pipeline=2 x data=2, microbatches=2, virtual stages=2"]
 
     counts = Counter()
     candidates = candidate_space(FOUR_RANKS, layouts=eligible, counts=counts)
@@ -78,8 +82,10 @@ def test_the_space_lists_tensor_and_pipeline_layouts_and_says_why_others_cannot_
     assert by_method["tensor_parallel"] and by_method["pipeline_parallel"] and by_method["mixed_parallel"]
     dims = {tuple(map(tuple, s.get("parallel_mode").dims)) for s in candidates if "mixed_parallel" in s}
     assert dims == {(("tensor", 2), ("pipeline", 2), ("data", 1))}
-    # pipelines average their own gradients: never combined with a sharding wrapper (a conflict)
-    assert not any("pipeline_parallel" in s and {"fsdp", "zero1", "zero2"} & set(s.opt_names) for s in candidates)
+    # pipelines average their own gradients: never combined with a sharding wrapper (a conflict),
+    # but with zero1, which shards each stage's optimizer state over its data ranks
+    assert not any("pipeline_parallel" in s and {"fsdp", "zero2"} & set(s.opt_names) for s in candidates)
+    assert any("pipeline_parallel" in s and "zero1" in s for s in candidates)
     # fsdp on tensor=2 x pipeline=2 has no data ranks to shard over: it merges with the bare layout
     assert counts["conflicting"] > 0 and counts["symmetric"] > 0
     assert counts["generated"] == len(candidates) + counts["conflicting"] + counts["symmetric"]
