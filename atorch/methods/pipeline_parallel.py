@@ -11,6 +11,7 @@ import torch
 
 from atorch.auto.context import ModelContext
 from atorch.auto.registry import LayoutJob, MethodSpec, Stage, register_method
+from atorch.auto.step_cost import Comm
 from atorch.errors import AtorchConfigError
 from atorch.pipeline import pipeline_eligibility
 from atorch.pipeline.auto import PipelineFields, check_fields, pipeline_model
@@ -242,7 +243,6 @@ def pipeline_terms(cost, config: PipelineFields, stages: int) -> None:
     """Memory and time of ``stages`` pipeline stages: a rank keeps its stages' share of the model;
     a schedule keeps some microbatches' activations in flight and idles (p-1)/(m v) of the time;
     stages send each microbatch's hidden state forward and its gradient back."""
-    from atorch.auto.search.cost import Comm
 
     cost.grad_buckets = False  # the pipeline model averages the gradients itself: no DDP
     if stages <= 1:

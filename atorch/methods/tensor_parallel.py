@@ -21,6 +21,7 @@ from pydantic import Field, model_validator
 from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
 from atorch.auto.registry import LayoutJob, MethodSpec, Stage, register_method
+from atorch.auto.step_cost import Comm
 from atorch.errors import MethodConfigError, StrategyConflictError
 from atorch.parallel_layers.auto_shard import ShardingError, plan_shards, shard_model
 from atorch.utils.log import logger
@@ -209,7 +210,6 @@ def tensor_terms(cost, tensor: int, sequence_parallel: bool = False, activations
     a caller that applied them itself); the collectives of :func:`_tensor_traffic`, not
     overlapped (under sequence parallelism two per row-parallel layer, one per embedding and
     head)."""
-    from atorch.auto.search.cost import Comm
 
     if tensor <= 1:
         return

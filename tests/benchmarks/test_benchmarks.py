@@ -127,6 +127,7 @@ def test_scale_counts_come_from_the_sharding_code():
             assert row["cost_model"] == {k: v for k, v in row["hand"].items() if k != "gathered"}, row
 
 
+@pytest.mark.slow  # a subprocess with the CLI's imports; plan_llama's test runs the same planner
 def test_plan_speed_benchmark_runs_and_writes_results(tmp_path):
     from benchmarks import plan_speed
 

@@ -21,9 +21,8 @@ used). The formula's terms are kept apart so the report can show where the memor
 import contextlib
 import copy
 import itertools
-import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,10 +30,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from atorch.auto.context import run_model
 from atorch.auto.registry import Stage, absorbed_methods, get_method
+from atorch.auto.step_cost import _BANDWIDTH, _FLOPS, _LATENCY, Comm, MemoryEstimate, StepCost  # noqa: F401
 from atorch.auto.strategy import Strategy
-from atorch.distributed.topology import DATA_PARALLEL_DIMS, data_parallel_size
 from atorch.utils.log import logger
-from atorch.utils.memo import once
 
 # How far the memory estimate may be from the measured peak, as estimated / measured: the bounds
 # tests/auto/search/test_cost.py holds it to. Measured: 0.90-1.16 on the transformers of
@@ -76,34 +74,6 @@ def surely_over(estimate: int | None, budget: int, ratio: tuple[float, float] = 
 def surely_fits(estimate: int | None, budget: int, ratio: tuple[float, float] = ESTIMATE_RATIO) -> bool:
     """Within ``budget`` even if the estimate is as low as it is ever measured to be."""
     return estimate is not None and estimate / ratio[0] <= budget
-
-
-@dataclass
-class MemoryEstimate:
-    params: int
-    grads: int
-    optim_state: int
-    gathered: int
-    activations: int
-    step_temp: int = 0
-    forward_flops: float = 0.0
-    # gradients alive together with the activations at their peak (checkpointing moves that peak
-    # late into backward, where most gradients exist; without it the peak is at the end of forward)
-    backward_grads: int = 0
-    buckets: int = 0  # DDP's gradient buckets, alive all the time
-    # alive with the gradients while a sharded unit's gradients are reduced at the end of its
-    # backward, most activations freed (FSDP2 under amp: the unit's gradients in the compute
-    # dtype and their copy in the reduce dtype)
-    reduce_temp: int = 0
-
-    @property
-    def total(self) -> int:
-        return (self.params + self.optim_state + self.buckets
-                + max(self.gathered + self.activations + self.backward_grads, self.grads + self.step_temp,
-                      self.grads + self.reduce_temp))
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "total": self.total}
 
 
 def optimizer_state_factor(optim_func, optim_args: dict) -> float:
@@ -453,271 +423,6 @@ def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, mod
     return saved
 
 
-@dataclass
-class Comm:
-    """Bytes one rank moves in a collective or point-to-point pattern, counted per step."""
-
-    dim: str  # the parallel dim whose group it runs over
-    elements: float  # activation elements moved (their bytes follow the compute dtype)
-    messages: int  # separate collectives or sends (each pays the latency)
-    factor: float = 1.0  # bytes on the wire per byte of payload (a ring all-reduce: 2(n-1)/n)
-    kind: str = "all_reduce"  # the collective, for its measured rate: all_reduce, all_gather, reduce_scatter, send_recv
-
-
-@dataclass
-class StepCost:
-    """One candidate's memory and step time per rank, built term by term.
-
-    The job's facts come first (whole-model sizes, the layout's dims, one forward's FLOPs and
-    saved activations on a per-data-rank batch); then each method's ``cost_term`` (its registry
-    row) updates the fields below, in applied order: a layout method (tensor, pipeline) splits
-    the model before a sharding method (zero, fsdp) divides what is left. No method is named here.
-    """
-
-    model: torch.nn.Module
-    dims: dict[str, int]
-    state_factor: float
-    device_type: str = "cpu"
-    forward_flops: float = 0.0  # one forward of the whole model on this rank's per-data-rank batch
-    tokens: int = 0  # samples x positions in that batch
-    absorbed: frozenset = frozenset()  # methods whose work another method in the strategy does
-    methods: tuple = ()  # the names of the strategy's methods
-    forward_ops: float = 0.0  # operators that forward dispatches (each costs the profile's op_seconds)
-    # the optimizer's step, timed on this device (optimizer_seconds_per_byte; 0: not charged), and
-    # the trainable bytes this rank's optimizer steps (a sharding method divides them)
-    optim_seconds_per_byte: float = 0.0
-    stepped: float = 0.0
-    # of forward_flops, those in attention kernels (they run at the profile's attention rate)
-    attention_flops: float = 0.0
-    # memory, bytes per rank (see the module docstring's formula)
-    params: float = 0.0
-    grads: float = 0.0
-    optim_state: float = 0.0
-    step_temp: float = 0.0
-    gathered: float = 0.0
-    # weights gathered for forward only, freed as it ends (zero2 on FSDP2: the all-gather's output
-    # buffer, beside the unsharded parameters it kept): alive at the moments without gradients
-    forward_gathered: float = 0.0
-    reduce_temp: float = 0.0  # see MemoryEstimate.reduce_temp
-    # the lowest estimated / measured peak seen for such candidates, when below ESTIMATE_RATIO's
-    # (a method whose memory the model under-counts lowers it: see candidate_ratio)
-    estimate_low: float | None = None
-    # share of the gradients alive at the activation peak (see MemoryEstimate.backward_grads)
-    backward_grad_share: float = 0.0
-    # gradients alive whole at every moment of backward (a moment whose gradient share is above
-    # 0) instead of the rank's shard of them: FSDP2's unsharded gradients of the unit whose
-    # backward runs and of the one being reduced, never more than the share of ``whole_grads``
-    # (the rank's model piece's gradients, unsharded, in the dtype backward makes them) backward
-    # has made by then; counted in MemoryEstimate.backward_grads
-    unit_grads: float = 0.0
-    whole_grads: float = 0.0
-    activations: float = 0.0
-    grad_buckets: bool = False  # DDP keeps a copy of the rank's gradients in its buckets
-    buffers: float = 0.0  # allocated once by a backend and kept (DeepSpeed's gradient bucket)
-    # autocast's low-precision copies of the weights a rank computes with, alive in forward and
-    # backward (all of them at the forward's end)
-    copies: float = 0.0
-    # measured by the probe over forward and backward (atorch/auto/search/timeline.py): the step's
-    # worst moments as (share of `activations`, share of `grads`, share of `copies`) alive; it
-    # replaces backward_grad_share, a method's guess, when present
-    activation_profile: tuple = ()
-    # measured by the same probe: the spans of the units the methods' ``probe_units`` name, in the
-    # order they ran (atorch.auto.search.timeline.UnitSpan); a pipeline's term builds its stages'
-    # activations from them
-    unit_spans: tuple = ()
-    # what the methods did to the model, as shares and scales of the whole
-    weight_scale: float = 1.0  # bytes per parameter relative to the model's own (half: 0.5)
-    split: float = 1.0  # share of the parameters left on a rank by splitting layers (tensor)
-    stage_share: float = 1.0  # share of the parameters on a rank's pipeline stages
-    # time
-    compute_dtype: str = "fp32"  # "fp32" or "half": which matmul rate applies
-    passes: float = 3.0  # forward + backward in forwards' FLOPs (checkpointing adds one)
-    compute_share: float = 1.0  # share of the model's FLOPs a rank runs
-    # operators a rank dispatches per pass, as a multiple of one forward's: a pipeline stage runs
-    # its share of the layers once per microbatch
-    op_share: float = 1.0
-    # tensors the checkpointed blocks save per forward, each through the checkpoint's hooks (the
-    # profile's checkpoint_save_seconds); the probe counts them, like forward_ops, per pass
-    checkpointed_saves: float = 0.0
-    # the data-parallel sync's collectives (sync_calls) come from a sharding wrapper's hooks (FSDP2:
-    # each unit's gathers and reduce-scatter), each with the profile's wrapped_call_seconds of host
-    # work around it
-    sync_in_hooks: bool = False
-    bubble: float = 0.0  # idle time of a pipeline schedule, as a fraction of the compute
-    # gradient accumulation: micro-batches per optimizer step (``auto_accelerate``'s
-    # gradient_accumulation_steps). ``activations`` are one micro-batch's, ``forward_flops`` and
-    # ``tokens`` the whole step's; each micro-batch dispatches the forward's operators and the
-    # activation collectives (``comms``' messages) again, while the gradients are reduced once (a
-    # method whose sync runs per micro-batch says so in its term)
-    accumulation: int = 1
-    # bytes moved over the data-parallel group per step, as multiples of the rank's model piece's
-    # parameter and gradient bytes ({"grads": 2}: an all-reduce); a ring over n ranks moves
-    # (n-1)/n of that per rank
-    data_sync: dict = field(default_factory=dict)
-    # how many collectives of each kind that sync takes per step, each paying the link's latency:
-    # a count (FSDP gathers and reduces unit by unit), or under "bucket_bytes" the bytes per
-    # collective (DDP's gradient buckets); one per kind when neither is given
-    sync_calls: dict = field(default_factory=dict)
-    # the passes whose compute a data-sync collective can run behind, by kind: ("backward",) for
-    # gradients reduced as backward makes them (DDP's buckets, FSDP2's reduce-scatters), ("forward",
-    # "backward") for parameters gathered a unit ahead (FSDP2's prefetch); a kind not named waits
-    # (zero1's broadcast after the step). The profile's ``overlap`` says how much of it does hide.
-    sync_overlap: dict = field(default_factory=dict)
-    # bytes of a data-sync collective's tensors per byte of the rank's model piece, by kind, when
-    # not the model's own dtype (FSDP2 under amp gathers the parameters in amp's 2-byte dtype)
-    sync_share: dict = field(default_factory=dict)
-    comms: list = field(default_factory=list)  # other communication not overlapped with compute
-    # a hardware profile (atorch/auto/search/profiles), named or calibrated on this machine
-    # (atorch/auto/search/calibrate.py): its rates replace the nominal ones, a group that spans
-    # nodes uses its inter-node link, and each collective its own measured rate when it has one
-    profile: Any = None
-
-    @property
-    def dp_size(self) -> int:
-        return data_parallel_size(self.dims)
-
-    def size(self, dim: str) -> int:
-        return self.dims.get(dim, 1)
-
-    def param_bytes(self, trainable_only: bool = False) -> int:
-        return once(("param_bytes", id(self.model), trainable_only), lambda: sum(
-            p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad or not trainable_only))
-
-    def shard_over_data(self, params: bool, grads: bool, optim: bool) -> None:
-        """Divide what a sharding method splits over the data-parallel ranks (its step's
-        temporaries follow the optimizer state)."""
-        dp = self.dp_size
-        if params:
-            self.params /= dp
-        if grads:
-            self.grads /= dp
-        if optim:
-            self.optim_state /= dp
-            self.step_temp /= dp
-            self.stepped /= dp
-
-    def split_model(self, share: float) -> None:
-        """Keep ``share`` of the parameters, gradients and optimizer state on this rank."""
-        self.params *= share
-        self.grads *= share
-        self.optim_state *= share
-        self.step_temp *= share
-        self.stepped *= share
-
-    def grads_at(self, share: float) -> float:
-        """Gradient bytes alive when backward has made ``share`` of them: the rank's shard of
-        them, less what of it is still whole in the units ``unit_grads`` counts."""
-        if share <= 0:
-            return 0.0
-        own = self.grads * share
-        if not self.unit_grads:
-            return own
-        whole = min(self.unit_grads, share * self.whole_grads) if self.whole_grads else self.unit_grads
-        return max(0.0, own - whole / self.dp_size) + whole
-
-    def memory(self) -> "MemoryEstimate":
-        moments = self.activation_profile or ((1.0, self.backward_grad_share, 1.0),)
-        if self.accumulation > 1:  # the earlier micro-batches' gradients are alive at every moment
-            moments = tuple((a, 1.0, c) for a, _, c in moments)
-        # without a measured profile the one moment may be forward's end or late backward
-        forward_only = lambda g: self.forward_gathered if g <= 0 or not self.activation_profile else 0.0  # noqa: E731
-        acts, grads, copies, forward = max(((self.activations * a, self.grads_at(g), self.copies * c, forward_only(g))
-                                            for a, g, c in moments), key=sum)
-        buckets = (self.grads if self.grad_buckets and self.dp_size > 1 else 0) + self.buffers
-        return MemoryEstimate(math.ceil(self.params), math.ceil(self.grads), math.ceil(self.optim_state),
-                              math.ceil(self.gathered + copies + forward), int(acts), math.ceil(self.step_temp),
-                              self.forward_flops, math.ceil(grads), math.ceil(buckets), math.ceil(self.reduce_temp))
-
-    def seconds(self) -> float:
-        """compute (x the pipeline bubble) + communication not overlapped with it + the optimizer's
-        step over what this rank steps, at nominal rates, or at the rates of ``profile`` when one
-        is set (each collective at its own rate, and one latency per collective of the
-        data-parallel sync: ``sync_calls``). Of a data-sync collective the method issues early
-        (``sync_overlap``), the profile's ``overlap`` share hides behind the compute of its passes,
-        up to that compute; nominal rates hide none."""
-        if self.profile is None:
-            rate = attention_rate = _FLOPS.get(self.device_type, _FLOPS["cpu"])[self.compute_dtype]
-        else:
-            rate, attention_rate = self.profile.rate(self.compute_dtype), self.profile.attention_rate(self.compute_dtype)
-        attention = min(self.attention_flops, self.forward_flops)
-        compute = ((self.forward_flops - attention) / rate + attention / attention_rate) * self.passes \
-            * self.compute_share
-        # each operator's kernel costs the device a fixed time beyond its FLOPs (profile's kernel_seconds)
-        launches = self.forward_ops * self.passes * self.op_share * self.accumulation
-        compute += launches * (self.profile.kernel_seconds if self.profile is not None else 0.0)
-        # framework overhead per operator: calibrated on this machine, none in a datasheet profile;
-        # on a GPU the host issues operators while earlier kernels run: the slower of the two counts
-        op_seconds = 0.0 if self.profile is None else self.profile.op_seconds
-        hooks = wrapped = 0.0
-        if self.profile is not None:
-            hooks = self.checkpointed_saves * self.profile.checkpoint_save_seconds
-            if self.sync_in_hooks:
-                wrapped = sum(self.sync_calls.values()) * self.profile.wrapped_call_seconds
-        overhead = (self.forward_ops * self.passes * op_seconds + hooks) * self.op_share * self.accumulation + wrapped
-        compute = max(compute, overhead) if self.device_type == "cuda" else compute + overhead
-        # what a collective can hide behind: each pass's compute, shared by the collectives in it
-        hides = 0.0 if self.profile is None else self.profile.overlap
-        windows = {"forward": compute / self.passes, "backward": compute * (self.passes - 1) / self.passes}
-        dp = self.dp_size
-        comm = 0.0
-        for kind, payload, calls in self.data_sync_collectives():
-            wire = payload * (2 if kind == "all_reduce" else 1) * (dp - 1) / dp
-            bandwidth, latency = self._link(DATA_PARALLEL_DIMS, kind)
-            seconds = wire / bandwidth + latency * calls
-            hidden = 0.0
-            for phase in self.sync_overlap.get(kind, ()):
-                behind = min(seconds * hides - hidden, windows[phase])
-                windows[phase] -= behind
-                hidden += behind
-            comm += seconds - hidden
-        element = 2 if self.compute_dtype == "half" else 4
-        for c in self.comms:
-            if self.size(c.dim) > 1:
-                bandwidth, latency = self._link((c.dim,), c.kind)
-                comm += c.elements * element * c.factor / bandwidth + c.messages * self.accumulation * latency
-        return compute * (1 + self.bubble) + comm + self.stepped * self.optim_seconds_per_byte
-
-    def data_sync_collectives(self) -> list[tuple[str, float, float]]:
-        """The data-parallel sync per step as ``(kind, payload bytes, collectives)``: the tensors
-        handed to the collectives (an all-gather's whole output), summed over the step. Parameters
-        are gathered (or broadcast) ``data_sync["params"]`` times; gradients all-reduced
-        (``data_sync["grads"]`` 2: the ring moves them twice) or reduce-scattered (1)."""
-        if self.dp_size <= 1:
-            return []
-        piece = self.param_bytes() * self.weight_scale * self.split * self.stage_share
-        trainable = self.param_bytes(True) * self.weight_scale * self.split * self.stage_share
-        grads, params = self.data_sync.get("grads", 0), self.data_sync.get("params", 0)
-        out = []
-        for kind, payload, times in (("all_gather", piece, params),
-                                     ("all_reduce" if grads >= 2 else "reduce_scatter", trainable, min(grads, 1))):
-            if times:
-                payload *= self.sync_share.get(kind, 1.0)
-                out.append((kind, payload * times, self._calls(kind, payload)))
-        return out
-
-    def _calls(self, kind: str, payload: float) -> float:
-        """Collectives of ``kind`` in the data-parallel sync of ``payload`` bytes (the gradients
-        or parameters synced, not the ring's traffic) per step."""
-        if kind in self.sync_calls:
-            return max(1.0, self.sync_calls[kind])
-        bucket = self.sync_calls.get("bucket_bytes")
-        return max(1.0, math.ceil(payload / bucket)) if bucket else 1.0
-
-    def _link(self, dims, kind: str | None = None) -> tuple[float, float]:
-        """(bandwidth, latency) of collective ``kind`` over a group of ``dims``: nominal by device,
-        or the profile's link for the ranks the group spans (``self.dims`` run innermost first,
-        ranks node by node)."""
-        if self.profile is None:
-            return (_BANDWIDTH.get(self.device_type, _BANDWIDTH["cpu"]), _LATENCY.get(self.device_type, _LATENCY["cpu"]))
-        span, reached, members = 1, 1, 1
-        for name, size in self.dims.items():
-            span *= size
-            if name in dims:
-                reached, members = span, members * size
-        link = self.profile.link(reached, kind, members)
-        return link.bandwidth, link.latency
-
-
 def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int], state_factor: float,
                activations: int, forward_flops: float = 0.0, tokens: int = 0, device_type: str = "cpu",
                forward_ops: float = 0.0, optim_seconds_per_byte: float = 0.0,
@@ -756,15 +461,6 @@ def estimate_memory(model: torch.nn.Module, strategy: Strategy, dp_size: int, op
     (parallel dim sizes) default to data parallel over ``dp_size`` ranks."""
     cost = build_cost(model, strategy, dims or {"data": dp_size}, optim_state_factor, activations)
     return cost.memory()
-
-
-# Rough rates, used when this machine has no calibration (atorch/auto/search/calibrate.py) and
-# no profile is given, only to order candidates (dry runs measure the real thing): sustained
-# matmul FLOP/s by device and compute dtype, collective bandwidth in bytes/s and the latency of
-# one collective or send in seconds, by device.
-_FLOPS = {"cuda": {"fp32": 4e13, "half": 3e14}, "cpu": {"fp32": 5e10, "half": 2.5e10}}
-_BANDWIDTH = {"cuda": 5e10, "cpu": 1e9}
-_LATENCY = {"cuda": 2e-5, "cpu": 1e-4}
 
 
 def estimate_step_seconds(model: torch.nn.Module, strategy: Strategy, dp_size: int, forward_flops: float,

@@ -83,6 +83,7 @@ ENGINES = {"ds_3d_parallel": [PIPELINE2, ("ds_3d_parallel", {"num_microbatches":
            "pipeline_parallel": [PIPELINE2, ("pipeline_parallel", {"num_microbatches": 2})]}
 
 
+@pytest.mark.slow  # 10 s
 def test_the_3d_algorithm_splits_its_linears_and_keeps_the_gathered_blocks():
     """Estimated / measured 1.00 for both grids (2026-11-25); the term split nothing before: 1.45
     (row 2) and 1.42 (depth 2, whose gathered blocks autograd keeps for backward)."""
@@ -138,6 +139,7 @@ PIPELINES = {"1f1b": [PIPELINE2_DATA2, ("pipeline_parallel", {"num_microbatches"
              "interleaved": [PIPELINE2_DATA2, ("pipeline_parallel", {"num_microbatches": 2, "virtual_pipeline_size": 2})]}
 
 
+@pytest.mark.slow  # 4 ranks, 14 s; the pipeline's zero1 traffic and training stay in the default run
 def test_pipelines_with_zero1_and_virtual_stages_are_estimated_within_10_percent():
     """pipeline=2 x data=2 on 4 ranks: 0.98, 0.97 and 1.06 of the measured peaks (2026-11-25)."""
     pytest.importorskip("transformers")
