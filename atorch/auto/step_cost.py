@@ -149,6 +149,10 @@ class StepCost:
     # activation collectives (``comms``' messages) again, while the gradients are reduced once (a
     # method whose sync runs per micro-batch says so in its term)
     accumulation: int = 1
+    # under accumulation, gradients kept apart from the ones backward makes (FSDP2's unsharded
+    # accumulated gradients), alive at every moment; 0: they accumulate in place (DDP's .grad),
+    # so every moment holds the rank's whole gradient term
+    accumulated_grads: float = 0.0
     # bytes moved over the data-parallel group per step, as multiples of the rank's model piece's
     # parameter and gradient bytes ({"grads": 2}: an all-reduce); a ring over n ranks moves
     # (n-1)/n of that per rank
@@ -216,13 +220,15 @@ class StepCost:
 
     def memory(self) -> "MemoryEstimate":
         moments = self.activation_profile or ((1.0, self.backward_grad_share, 1.0),)
-        if self.accumulation > 1:  # the earlier micro-batches' gradients are alive at every moment
-            moments = tuple((a, 1.0, c) for a, _, c in moments)
+        if self.accumulation > 1 and not self.accumulated_grads:  # the earlier micro-batches'
+            moments = tuple((a, 1.0, c) for a, _, c in moments)  # gradients, alive at every moment
         # without a measured profile the one moment may be forward's end or late backward
         forward_only = lambda g: self.forward_gathered if g <= 0 or not self.activation_profile else 0.0  # noqa: E731
         acts, grads, copies, forward = max(((self.activations * a, self.grads_at(g), self.copies * c, forward_only(g))
                                             for a, g, c in moments), key=sum)
         buckets = (self.grads if self.grad_buckets and self.dp_size > 1 else 0) + self.buffers
+        if self.accumulation > 1:
+            buckets += self.accumulated_grads
         return MemoryEstimate(math.ceil(self.params), math.ceil(self.grads), math.ceil(self.optim_state),
                               math.ceil(self.gathered + copies + forward), int(acts), math.ceil(self.step_temp),
                               self.forward_flops, math.ceil(grads), math.ceil(buckets), math.ceil(self.reduce_temp))

@@ -179,9 +179,9 @@ def accumulation_terms(cost, reduce_share: float) -> None:
     cost.data_sync["params"] = cost.data_sync.get("params", 0) * steps
     cost.sync_calls["all_gather"] = cost.sync_calls.get("all_gather", 1) * steps
     whole = cost.param_bytes(trainable_only=True) * cost.weight_scale * cost.split * cost.stage_share
-    # whole at every moment (StepCost.memory counts every gradient alive under accumulation), in
-    # place of the units' whole gradients of a step without it
-    cost.unit_grads = cost.whole_grads = whole * reduce_share
+    # the accumulated gradients, whole, at every moment of the step, beside those of the units
+    # backward is making (StepCost.accumulated_grads)
+    cost.accumulated_grads = whole * reduce_share
 
 
 register_method(
