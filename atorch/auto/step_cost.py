@@ -186,6 +186,14 @@ class StepCost:
         return once(("param_bytes", id(self.model), trainable_only), lambda: sum(
             p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad or not trainable_only))
 
+    def param_numel(self) -> int:
+        """Elements of the model's parameters (at least 1)."""
+        return once(("param_numel", id(self.model)), lambda: max(sum(p.numel() for p in self.model.parameters()), 1))
+
+    def element_bytes(self) -> float:
+        """Bytes per parameter element as the methods so far leave the weights (half: 2)."""
+        return self.param_bytes() * self.weight_scale / self.param_numel()
+
     def shard_over_data(self, params: bool, grads: bool, optim: bool) -> None:
         """Divide what a sharding method splits over the data-parallel ranks (its step's
         temporaries follow the optimizer state)."""

@@ -125,9 +125,8 @@ def accumulation_choices(strategy, per_rank: int) -> list[int]:
     accumulates over its own microbatches, nor DeepSpeed's engine, which runs its own step)."""
     from atorch.auto.registry import get_method
 
-    names = set(strategy.opt_names)
-    if any(get_method(n).uses_dims and "pipeline" in get_method(n).uses_dims for n in names) \
-            or "ds_3d_parallel" in names or any(getattr(c, "use_ds_zero", False) for _, c in strategy.items()):
+    if any("pipeline" in get_method(n).uses_dims for n in strategy.opt_names) \
+            or any(getattr(c, "use_ds_zero", False) for _, c in strategy.items()):  # ds_3d_parallel uses pipeline
         return [1]
     choices, steps = [1], 2
     while steps <= per_rank and per_rank % steps == 0:
@@ -140,11 +139,10 @@ def _costed(row: dict, model, strategy, dims, steps, state_factor, probe, profil
             flops_per_token, world, memory) -> dict:
     """``row`` with the candidate's estimate at ``steps`` accumulation steps (or why it has none)."""
     from atorch.auto.search.engine import cost_candidate
-    from atorch.auto.search.space import layout_text
     from atorch.utils.log import quiet
 
     if steps > 1:
-        row["layout"] = layout_text(dims.items(), _layout_config(strategy)) + f", accumulation={steps}"
+        row["layout"] += f", accumulation={steps}"
     with quiet():
         step, reason = cost_candidate(model, strategy, dims, state_factor, probe, "cuda", accumulation=steps)
     if step is None:

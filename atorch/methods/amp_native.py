@@ -15,7 +15,6 @@ from atorch.amp.optimizer import AmpOptimizer, ScaledLossFunc
 from atorch.auto.config_types import HalfDType, MethodConfig, bf16_unsupported, dtype_shorthand
 from atorch.auto.context import ModelContext
 from atorch.auto.registry import MethodSpec, Stage, register_method
-from atorch.utils.memo import once
 
 
 class AmpNativeConfig(MethodConfig):
@@ -81,9 +80,7 @@ def cost_term(config: AmpNativeConfig, cost) -> None:
     if "amp_native" not in cost.absorbed:
         # autocast keeps a low-precision copy of each weight it casts during forward (a sharding
         # method that absorbs amp gathers its weights in that dtype instead)
-        copies = once(("numel", id(cost.model)), lambda: sum(p.numel() for p in cost.model.parameters()))
-        copies *= config.dtype.itemsize
-        cost.copies += copies * cost.split * cost.stage_share
+        cost.copies += cost.param_numel() * config.dtype.itemsize * cost.split * cost.stage_share
 
 
 def _unsupported(device_ctx, config) -> str | None:

@@ -76,27 +76,22 @@ def wrap(ctx: ModelContext, config: Ds3dParallelConfig) -> None:
     ctx.args["step_in_forward"] = True
 
 
-# DeepSpeed's engine all-reduces the gradients after the schedule, through buffers of this many
-# elements (its reduce_bucket_size default, 5e8)
-DS_REDUCE_BUCKET_ELEMENTS = 500_000_000
-
-
 def cost_term(config: Ds3dParallelConfig, cost) -> None:
     """A 1F1B pipeline over the pipeline dim (DeepSpeed's TrainSchedule), as pipeline_parallel's
     terms count it: the stage's share of the model, the microbatches in flight, the bubble and
     the sends; the engine then all-reduces the stage's gradients over the data ranks, bucket by
-    bucket, after the schedule (nothing overlapped). Without it a loaded ds_3d_parallel strategy
+    bucket (reduce_bucket_size elements), after the schedule (nothing overlapped). Without it a loaded ds_3d_parallel strategy
     was costed as the whole model on every rank (150.6 GiB a rank for 7B on pipeline=4, where
     the pipeline_parallel equivalent is 32.6)."""
     from types import SimpleNamespace
 
     from atorch.methods.pipeline_parallel import pipeline_terms
+    from atorch.sharding.deepspeed import reduce_bucket_elements
 
     fields = SimpleNamespace(num_microbatches=config.num_microbatches, virtual_pipeline_size=1, schedule="1f1b",
                              pipeline_cuts=None)
     pipeline_terms(cost, fields, cost.size("pipeline"))
-    element = cost.param_bytes() / max(sum(p.numel() for p in cost.model.parameters()), 1)
-    cost.sync_calls = {"bucket_bytes": DS_REDUCE_BUCKET_ELEMENTS * element}
+    cost.sync_calls = {"bucket_bytes": reduce_bucket_elements(config.ds_config) * cost.element_bytes()}
 
 
 register_method(

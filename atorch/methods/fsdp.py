@@ -106,8 +106,7 @@ def compute_dtype_share(cost, dtype: torch.dtype | None = None) -> float:
     itemsize = dtype.itemsize if dtype is not None else 2 if "amp_native" in cost.methods else None
     if itemsize is None:
         return 1.0
-    numel = sum(p.numel() for p in cost.model.parameters()) or 1
-    return min(1.0, itemsize / (cost.param_bytes() * cost.weight_scale / numel))
+    return min(1.0, itemsize / cost.element_bytes())
 
 
 def unit_bytes(model: torch.nn.Module, config: FsdpConfig) -> tuple[list[int], int]:
@@ -115,14 +114,7 @@ def unit_bytes(model: torch.nn.Module, config: FsdpConfig) -> tuple[list[int], i
     the root's own: whatever no unit holds (a Llama's embedding, final norm and head)."""
     names = fsdp2.choose_units(model, config.atorch_wrap_cls, config.atorch_size_based_min_num_params,
                                config.atorch_ignored_cls, config.wrap_trainable_outmost)
-    claimed: set[int] = set()
-    units = []
-    for name in names:  # innermost first: a unit does not hold what a unit inside it holds
-        params = [p for p in model.get_submodule(name).parameters() if id(p) not in claimed]
-        claimed.update(id(p) for p in params)
-        units.append(sum(p.numel() * p.element_size() for p in params))
-    root = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in claimed)
-    return units, root
+    return fsdp2.unit_sizes(model, [(name,) for name in names])  # innermost first, as choose_units lists them
 
 
 def cost_term(config: FsdpConfig, cost) -> None:

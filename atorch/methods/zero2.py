@@ -131,14 +131,7 @@ def _unit_bytes(model, bucket_params: int) -> tuple[list[int], int]:
     holds what no group does (the leftover blocks, the embedding, the head). The term had taken
     ``bucket_params`` itself for the largest."""
     blocks = fsdp2.choose_units(model, [class_name(c) for c in find_block_classes(model)])
-    modules = dict(model.named_modules())
-    claimed: set[int] = set()
-    sizes = []
-    for group in fsdp2.group_units(model, blocks, bucket_params):
-        params = [p for name in group for p in modules[name].parameters()]
-        claimed.update(id(p) for p in params)
-        sizes.append(sum(p.numel() * p.element_size() for p in params))
-    return sizes, sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in claimed)
+    return fsdp2.unit_sizes(model, fsdp2.group_units(model, blocks, bucket_params))
 
 
 def _fsdp2_terms(config: Zero2Config, cost) -> None:

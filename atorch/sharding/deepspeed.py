@@ -45,6 +45,13 @@ def deepspeed_config(ctx: ModelContext, stage: int, user_config: dict[str, Any] 
 DS_REDUCE_BUCKET_ELEMENTS = 500_000_000
 
 
+def reduce_bucket_elements(user_config: dict[str, Any] | None) -> int:
+    """The elements of DeepSpeed's gradient bucket: ``zero_optimization.reduce_bucket_size`` of the
+    user's ds_config, else DeepSpeed's default."""
+    zero = (user_config or {}).get("zero_optimization", {})
+    return int(zero.get("reduce_bucket_size", DS_REDUCE_BUCKET_ELEMENTS))
+
+
 def zero_memory_terms(cost, user_config: dict[str, Any] | None) -> None:
     """What DeepSpeed's ZeRO-1/2 engine holds beyond the sharded optimizer state (cost-model
     terms, on a :class:`~atorch.auto.search.cost.StepCost`):
@@ -56,10 +63,8 @@ def zero_memory_terms(cost, user_config: dict[str, Any] | None) -> None:
     - under bf16/fp16 (amp_native hands its dtype to DeepSpeed) the model itself in the 2-byte
       dtype, plus the rank's partition of the fp32 master weights; no autocast weight copies.
     """
-    zero = (user_config or {}).get("zero_optimization", {})
-    elements = int(zero.get("reduce_bucket_size", DS_REDUCE_BUCKET_ELEMENTS))
-    numel = max(sum(p.numel() for p in cost.model.parameters()), 1)
-    element = cost.param_bytes() * cost.weight_scale / numel
+    elements = reduce_bucket_elements(user_config)
+    element = cost.element_bytes()
     if "amp_native" in cost.methods and element > 2:
         piece = cost.params
         cost.params = piece * 2 / element + piece / cost.dp_size

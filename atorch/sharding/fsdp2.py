@@ -102,6 +102,19 @@ def group_units(model: torch.nn.Module, units: Sequence[str], bucket_params: int
     return groups
 
 
+def unit_sizes(model: torch.nn.Module, units: Sequence[Sequence[str]]) -> tuple[list[int], int]:
+    """Parameter bytes each FSDP unit holds (a unit: the names of the modules it wraps, innermost
+    units first, so a unit does not hold what a unit inside it holds), and the root's own: what no
+    unit holds (a Llama's embedding, final norm and head)."""
+    claimed: set[int] = set()
+    sizes = []
+    for names in units:
+        params = [p for name in names for p in model.get_submodule(name).parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in params)
+        sizes.append(sum(p.numel() * p.element_size() for p in params))
+    return sizes, sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in claimed)
+
+
 def ignored_parameters(model: torch.nn.Module, ignored_names: Sequence[str]) -> set[torch.nn.Parameter]:
     return {p for m in model.modules() if _matches(m, ignored_names) for p in m.parameters()}
 
