@@ -3,8 +3,12 @@
 AxoNN code runs with its imports changed::
 
     from axonn import axonn as ax                  ->  from atorch.compat import axonn as ax
-    from axonn.intra_layer import Linear, ...      ->  from atorch.intra_layer import Linear, ...
-    from axonn.intra_layer import optimize_communication  ->  from atorch.intra_layer import optimize_communication
+    from axonn.intra_layer import Linear, ...      ->  from atorch.compat.axonn import Linear, ...
+
+``Linear`` and ``auto_parallelize`` here keep AxoNN's default contract: each rank passes its own
+samples with whole features (``atorch.intra_layer.Linear(batch_per_rank=True)``), and
+``expert_mode=True`` is AxoNN's sliced one. ``sync_gradients``, ``clip_grad_norm_``,
+``optimize_communication``, ``drop`` and ``gather`` are atorch.intra_layer's.
 
     ax.init(1, 2, 2, mixed_precision=True)         # G_inter, G_data, G_intra_r (AxoNN's order)
     loader = ax.create_dataloader(dataset, 64, 8)  # global batch, micro batch
@@ -30,8 +34,8 @@ from atorch.data import create_dataloader as _create_dataloader
 from atorch.distributed.env import init_distributed
 from atorch.distributed.topology import Topology
 from atorch.errors import AtorchConfigError, NotSupportedError
-from atorch.intra_layer import overlap
-from atorch.intra_layer.grads import _group_of
+from atorch.intra_layer import clip_grad_norm_, drop, gather, overlap, sync_gradients  # noqa: F401 - AxoNN's names
+from atorch.intra_layer.grads import _group_of, per_rank_batch, sample_ranks
 from atorch.intra_layer.overlap import optimize_communication  # noqa: F401 - AxoNN code may take it from here
 
 # AxoNN's module attributes, set by init.
@@ -79,6 +83,58 @@ class CommHandle:
             raise NotSupportedError("tensor_parallel_dims (per-layer grids) is not ported; every layer uses the grid")
         return (self.inner_intra_layer_parallel_group, self.outer_intra_layer_parallel_group,
                 self.depth_intra_layer_parallel_group)
+
+
+class Linear(intra_layer.Linear):
+    """AxoNN's ``Linear(in_features, out_features, transpose=, bias=, skip_bias_add=, init_method=,
+    expert_mode=)``: by default each rank passes its own samples with whole features and gets
+    their whole output features (AxoNN's non-expert mode; the layer regroups the batch);
+    ``expert_mode=True`` is the sliced contract. As in AxoNN, the weight is drawn in full by
+    ``init_method`` (default: nn.Linear's) and sliced, and the bias starts at zero; unlike AxoNN,
+    the bias is whole on every rank. Older AxoNN's keywords: ``use_easy_api`` (``True``: whole
+    features, i.e. ``expert_mode=False``) and ``async_comm_in_backward_pass`` (the overlap of
+    :func:`optimize_communication`; the numbers do not change) are accepted.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *args, transpose: bool = False, bias: bool = True,
+                 skip_bias_add: bool = False, init_method=None, expert_mode: bool | None = None,
+                 use_easy_api: bool | None = None, async_comm_in_backward_pass: bool = True, **kwargs):
+        if args:
+            raise AtorchConfigError(
+                f"axonn Linear({in_features}, {out_features}, {', '.join(map(repr, args))}): AxoNN takes only the "
+                "two sizes positionally; pass bias=, transpose= and the rest by keyword"
+            )
+        if use_easy_api is not None and expert_mode is not None and bool(expert_mode) == bool(use_easy_api):
+            raise AtorchConfigError(
+                f"axonn Linear(expert_mode={expert_mode}, use_easy_api={use_easy_api}) contradict each other "
+                "(use_easy_api=True is expert_mode=False); pass one of them"
+            )
+        if kwargs.get("tensor_parallel_dims") is not None:
+            raise NotSupportedError("tensor_parallel_dims (per-layer grids) is not ported; every layer uses the grid")
+        kwargs.pop("tensor_parallel_dims", None)
+        expert = bool(expert_mode) if expert_mode is not None else use_easy_api is False
+        super().__init__(in_features, out_features, bias=bias, transpose=transpose, skip_bias_add=skip_bias_add,
+                         expert_mode=expert, batch_per_rank=not expert, **kwargs)
+        with torch.no_grad():
+            if init_method is not None:
+                full = torch.empty(self.out_features, self.in_features, dtype=self.weight.dtype,
+                                   device=self.weight.device)
+                init_method(full)
+                self.weight.copy_(self.shard(full))
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def forward(self, x: torch.Tensor, scatter_input: bool | None = None, gather_output: bool | None = None,
+                cache_weights_in_all_gather: bool = False):
+        """AxoNN's forward; ``cache_weights_in_all_gather`` is :func:`optimize_communication`'s
+        ``cache_weights`` (the numbers do not change)."""
+        return super().forward(x, scatter_input, gather_output)
+
+
+def auto_parallelize(topology: Topology | None = None):
+    """AxoNN's ``auto_parallelize()``: inside the block ``nn.Linear`` builds 3D layers that take a
+    per-rank batch, as AxoNN's do (see :func:`atorch.intra_layer.auto_parallelize`)."""
+    return intra_layer.auto_parallelize(topology, batch_per_rank=True)
 
 
 class _Flow:
@@ -149,8 +205,9 @@ def register_model_and_optimizer(model_shard: torch.nn.Module, optimizer: torch.
     not skipped (an fp16 overflow skips it, as in AxoNN).
     """
     topology = _topology()
+    per_rank = per_rank_batch(model_shard)
     for param in model_shard.parameters():
-        group = _group_of(param, topology)
+        group = _group_of(param, topology, per_rank)
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(param.data, group=group)
             param.data.div_(dist.get_world_size(group))
@@ -193,7 +250,8 @@ def run_batch(batch: torch.Tensor, labels: torch.Tensor, eval_mode: bool = False
 
     Each micro batch's loss is divided by (data x depth ranks) x (micro batches), and the
     gradients are summed over those ranks, so they equal the serial model's on the global batch
-    with a mean loss. Call ``optimizer.zero_grad()`` before it and ``optimizer.step()`` after.
+    with a mean loss. With layers that take a per-rank batch (this module's ``Linear``), the
+    row x column ranks count as data ranks too (AxoNN's own reduction over every rank). Call ``optimizer.zero_grad()`` before it and ``optimizer.step()`` after.
     """
     topology = _topology()
     if _flow.model is None or _flow.loss_fn is None:
@@ -206,7 +264,11 @@ def run_batch(batch: torch.Tensor, labels: torch.Tensor, eval_mode: bool = False
     if half and batch.is_floating_point():
         batch = batch.half()
     _flow.model.train(not eval_mode)
-    scale = (_flow.loss_scale if half else 1.0) / (topology.data_parallel_size * count)
+    # the ranks whose gradients sum_gradients adds: data x depth, and row x column as well when the
+    # model's layers take a per-rank batch (AxoNN's default; ranks of a row x column group then
+    # count as data parallel even when they were given the same samples)
+    ranks = sample_ranks(topology, per_rank_batch(_flow.model))
+    scale = (_flow.loss_scale if half else 1.0) / (ranks * count)
     total = 0.0
     for start in range(0, batch.shape[0], micro):
         with torch.set_grad_enabled(not eval_mode):

@@ -15,10 +15,11 @@ def _serial_linear() -> type:
 
 
 @contextlib.contextmanager
-def auto_parallelize(topology: Topology | None = None):
+def auto_parallelize(topology: Topology | None = None, *, batch_per_rank: bool = False):
     """Inside this block, ``nn.Linear(...)`` builds an :class:`intra_layer.Linear` when its sizes
     divide the grid, and a plain ``nn.Linear`` otherwise. ``nn.Linear`` is restored on exit, also
-    when the block raises.
+    when the block raises. ``batch_per_rank``: the layers take AxoNN's per-rank batch (see
+    :class:`intra_layer.Linear`).
 
     Only the name ``torch.nn.Linear`` looked up while the block runs is affected (code that did
     ``from torch.nn import Linear`` earlier keeps the class it imported); ``isinstance(m,
@@ -48,7 +49,8 @@ def auto_parallelize(topology: Topology | None = None):
             if cls is not AutoParallelLinear:  # a subclass defined inside the block
                 return serial.__new__(cls)
             if divides(in_features, out_features, topology):
-                return Linear(in_features, out_features, bias, device=device, dtype=dtype, topology=topology)
+                return Linear(in_features, out_features, bias, batch_per_rank=batch_per_rank, device=device,
+                              dtype=dtype, topology=topology)
             return serial(in_features, out_features, bias, device=device, dtype=dtype)
 
     before = nn.Linear
@@ -59,9 +61,10 @@ def auto_parallelize(topology: Topology | None = None):
         torch.nn.Linear = before
 
 
-def parallelize_model(model: nn.Module, topology: Topology | None = None) -> list[str]:
+def parallelize_model(model: nn.Module, topology: Topology | None = None, *, batch_per_rank: bool = False) -> list[str]:
     """Replace, in a built model, every plain ``nn.Linear`` that divides the grid by a 3D layer
-    carrying its weights; return the names of the replaced modules.
+    carrying its weights; return the names of the replaced modules. ``batch_per_rank`` as in
+    :func:`auto_parallelize`.
 
     Left alone: subclasses of ``nn.Linear`` (``nn.MultiheadAttention``'s output projection reads
     its weight directly), layers whose weight is shared with another module (tied embeddings),
@@ -78,6 +81,6 @@ def parallelize_model(model: nn.Module, topology: Topology | None = None) -> lis
             continue
         if not divides(module.in_features, module.out_features, topology):
             continue
-        model.set_submodule(name, Linear.from_linear(module, topology=topology))
+        model.set_submodule(name, Linear.from_linear(module, topology=topology, batch_per_rank=batch_per_rank))
         replaced.append(name)
     return replaced

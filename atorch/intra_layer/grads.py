@@ -6,6 +6,11 @@ a replicated parameter's gradient is summed over the data x depth ranks; a 3D we
 already holds the sum over its depth ranks (the reduce-scatter of its backward), so it is summed
 over the data ranks that hold the same shard. ``mean=True`` then divides by data x depth, which
 with a mean loss per rank gives the serial model's gradient on the whole global batch.
+
+A model whose 3D layers take AxoNN's per-rank batch (``Linear(batch_per_rank=True)``) is data
+parallel over every rank outside those layers: its replicated parameters are summed over all
+ranks, a weight shard (whose backward already covers the row x column group's samples) over its
+data replicas, and ``mean=True`` divides by every rank that holds its own samples.
 """
 
 from collections.abc import Iterable
@@ -16,14 +21,42 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from atorch.auto.clip import clip_grad_norm
 from atorch.distributed.topology import Topology
+from atorch.errors import AtorchConfigError, NotSupportedError
 from atorch.intra_layer.grid import current
 
 
-def _group_of(param: torch.Tensor, topology: Topology) -> dist.ProcessGroup | None:
+def _group_of(param: torch.Tensor, topology: Topology, per_rank: bool = False) -> dist.ProcessGroup | None:
     if getattr(param, "intra_layer_sharded", False):
         replicas = topology.data_parallel_size // topology.size("depth")
         return topology.replica_group if replicas > 1 else None
+    if per_rank:
+        return dist.group.WORLD if sample_ranks(topology, True) > 1 else None
     return topology.data_parallel_group if topology.data_parallel_size > 1 else None
+
+
+def per_rank_batch(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s 3D layers take AxoNN's per-rank batch (an error if some do and some do not)."""
+    from atorch.intra_layer.linear import Linear
+
+    contracts = {m.batch_per_rank for m in model.modules() if isinstance(m, Linear)}
+    if len(contracts) > 1:
+        raise AtorchConfigError(
+            "the model mixes intra_layer.Linear layers with batch_per_rank=True and False: the parameters between "
+            "them would need both reductions; build every 3D layer with the same contract"
+        )
+    return contracts == {True}
+
+
+def sample_ranks(topology: Topology, per_rank: bool) -> int:
+    """How many ranks hold their own samples: data x depth, and row x column under a per-rank batch."""
+    if not per_rank:
+        return topology.data_parallel_size
+    if topology.size("pipeline") > 1:
+        raise NotSupportedError(
+            "intra_layer.Linear(batch_per_rank=True) with a pipeline dim: the gradient reduction over every "
+            "rank of a stage is not built; use batch_per_rank=False (the same samples on a row x column group)"
+        )
+    return topology.data_parallel_size * topology.size("row") * topology.size("col")
 
 
 def sync_gradients(model: torch.nn.Module, gradient_attr_name: str = "grad", mean: bool = False,
@@ -41,9 +74,10 @@ def sync_gradients(model: torch.nn.Module, gradient_attr_name: str = "grad", mea
       example a ``main_grad`` kept beside it).
     - ``vectorize``: accepted for AxoNN's signature; the gradients of a group are always reduced
       as one flattened buffer (the numbers are the same either way).
-    - ``expert_mode``: accepted for AxoNN's signature; the reduction is the same under both
-      contracts of :class:`intra_layer.Linear` (its bias gets the whole gradient under both), so
-      it changes nothing.
+    - ``expert_mode``: accepted for AxoNN's signature; the reduction is the same under the whole
+      and sliced contracts of :class:`intra_layer.Linear` (its bias gets the whole gradient under
+      both), so it changes nothing. A model whose 3D layers take a per-rank batch
+      (``batch_per_rank=True``) is reduced over every rank (see the module docstring).
 
     Example::
 
@@ -53,13 +87,14 @@ def sync_gradients(model: torch.nn.Module, gradient_attr_name: str = "grad", mea
         optimizer.step()
     """
     topology = topology if topology is not None else current()
-    scale = 1.0 / topology.data_parallel_size if mean else 1.0
+    per_rank = per_rank_batch(model)
+    scale = 1.0 / sample_ranks(topology, per_rank) if mean else 1.0
     buckets: dict[int, tuple[dist.ProcessGroup | None, list[torch.Tensor]]] = {}
     for param in model.parameters():
         grad = getattr(param, gradient_attr_name, None)
         if grad is None:
             continue
-        group = _group_of(param, topology)
+        group = _group_of(param, topology, per_rank)
         buckets.setdefault(id(group), (group, []))[1].append(grad)
     for group, grads in buckets.values():
         if group is not None:
@@ -83,7 +118,8 @@ def install_gradient_sync(model: torch.nn.Module, topology: Topology | None = No
     Returns the hook handles.
     """
     topology = topology if topology is not None else current()
-    scale = 1.0 / topology.data_parallel_size if mean else 1.0
+    per_rank = per_rank_batch(model)
+    scale = 1.0 / sample_ranks(topology, per_rank) if mean else 1.0
 
     def make_hook(group):
         def hook(grad):
@@ -93,7 +129,7 @@ def install_gradient_sync(model: torch.nn.Module, topology: Topology | None = No
             return grad.mul_(scale) if scale != 1.0 else grad
         return hook
 
-    return [param.register_hook(make_hook(_group_of(param, topology)))
+    return [param.register_hook(make_hook(_group_of(param, topology, per_rank)))
             for param in model.parameters() if param.requires_grad]
 
 

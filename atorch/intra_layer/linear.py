@@ -3,10 +3,15 @@
 The weight ``(out_features, in_features)`` is cut into blocks: output features over one group of
 the grid, input features over another (row and column groups; ``transpose`` swaps them), and each
 block is sharded once more along its rows over the depth group (ZeRO-3 inside the layer).
-Two contracts for the activations (the batch is split over the data and depth ranks in both):
+Three contracts for the activations (the batch is split over the data and depth ranks in all):
 
-- whole (default): inputs and outputs carry all the features, the same on every rank of a
-  row x column group, so the layers around it do not change;
+- whole (default): inputs and outputs carry all the features, the same samples on every rank of
+  a row x column group, so the layers around it do not change; the first call checks that the
+  samples are the same (an error names the contract that fits, never a wrong output);
+- per-rank batch (``batch_per_rank=True``, AxoNN's default): whole features in and out, but each
+  rank of the row x column group passes its own samples; the layer regroups them around its
+  block matmul (atorch/intra_layer/regroup.py), so everything outside it is data parallel over
+  every rank (:func:`sync_gradients` then sums the other parameters over every rank);
 - sliced (``expert_mode=True``, AxoNN's drop/gather contract): each rank passes its slice of the
   input features (over the input-feature group) and gets back its slice of the output features
   (over the output-feature group); the user parallelizes what lies between the layers.
@@ -23,11 +28,12 @@ Forward on one rank, with ``x`` of shape (..., in_features) (the sliced contract
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from atorch.distributed.topology import Topology
 from atorch.errors import AtorchConfigError, WorldSizeError
-from atorch.intra_layer import comm, overlap
+from atorch.intra_layer import comm, overlap, regroup
 from atorch.intra_layer.grid import Axis, current
 
 
@@ -68,6 +74,10 @@ class Linear(nn.Module):
       ``forward(x, scatter_input=, gather_output=)`` picks each side per call (AxoNN's older
       keywords; ``True`` means whole). An input whose last dim is not what the contract
       expects is an error that says which contract it fits.
+    - ``batch_per_rank``: AxoNN's default contract (with ``expert_mode=False``): whole features
+      in and out, each rank of the row x column group with its own samples (any number of rows
+      each). Default ``False``: the same samples on every rank of that group, which the first
+      call checks (one small all-reduce per group, once per layer).
     - ``topology``: the grid (default: the one set by :func:`atorch.intra_layer.init`).
 
     ``weight`` holds this rank's shard of shape ``(out / (O * D), in / I)`` (O, I: the sizes of the
@@ -90,17 +100,23 @@ class Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, transpose: bool = False,
-                 skip_bias_add: bool = False, *, expert_mode: bool = False, device=None, dtype=None,
-                 topology: Topology | None = None, **unknown):
+                 skip_bias_add: bool = False, *, expert_mode: bool = False, batch_per_rank: bool = False,
+                 device=None, dtype=None, topology: Topology | None = None, **unknown):
         if unknown:
             raise AtorchConfigError(
                 f"intra_layer.Linear got unknown keyword arguments {sorted(unknown)}; it takes in_features, "
-                "out_features, bias, transpose, skip_bias_add, expert_mode, device, dtype and topology"
+                "out_features, bias, transpose, skip_bias_add, expert_mode, batch_per_rank, device, dtype and topology"
+            )
+        if expert_mode and batch_per_rank:
+            raise AtorchConfigError(
+                "intra_layer.Linear(expert_mode=True, batch_per_rank=True): the sliced contract keeps the same "
+                "samples on every rank of a row x column group; pass one of the two"
             )
         super().__init__()
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.transpose, self.skip_bias_add = bool(transpose), bool(skip_bias_add)
-        self.expert_mode = bool(expert_mode)
+        self.expert_mode, self.batch_per_rank = bool(expert_mode), bool(batch_per_rank)
+        self._samples_checked = False
         self.topology = topology if topology is not None else current()
         self._out, self._in, self._depth = _axes(self.topology, self.transpose)
         problems = []
@@ -129,10 +145,11 @@ class Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, transpose: bool = False, topology: Topology | None = None,
-                    expert_mode: bool = False) -> "Linear":
+                    expert_mode: bool = False, batch_per_rank: bool = False) -> "Linear":
         """A 3D layer holding ``linear``'s weights (its shard of them); draws no random numbers."""
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, transpose=transpose,
-                    expert_mode=expert_mode, device="meta", dtype=linear.weight.dtype, topology=topology)
+                    expert_mode=expert_mode, batch_per_rank=batch_per_rank, device="meta", dtype=linear.weight.dtype,
+                    topology=topology)
         bias = None if linear.bias is None else linear.bias.detach()
         layer._set_parameters(linear.weight.detach(), bias)
         layer.weight.requires_grad_(linear.weight.requires_grad)
@@ -171,15 +188,28 @@ class Linear(nn.Module):
         whole_in = not self.expert_mode if scatter_input is None else bool(scatter_input)
         whole_out = not self.expert_mode if gather_output is None else bool(gather_output)
         self._check_input(x, whole_in)
+        regrouped = self.batch_per_rank and whole_in and whole_out
+        if self.batch_per_rank and whole_in != whole_out:
+            raise AtorchConfigError(
+                f"intra_layer.Linear(batch_per_rank=True) called with scatter_input={scatter_input}, "
+                f"gather_output={gather_output}: a per-rank batch is regrouped only with whole features in and out "
+                "(both True), and sliced features in and out (both False) take the same samples on every rank"
+            )
+        if not regrouped:
+            self._check_same_samples(x, whole_in)
         if not getattr(self.weight, "intra_layer_sharded", False):
             self._mark_shard()
         # through overlap: inside optimize_communication the collectives may run asynchronously
         weight = overlap.gathered_weight(self.weight, self._depth)
-        h = comm.scatter(x, self._in) if whole_in else x
-        y = comm.reduce(overlap.linear(h, weight, self._out), self._in)
+        if regrouped:
+            y = self._regrouped(x, weight)
+        else:
+            h = comm.scatter(x, self._in) if whole_in else x
+            y = comm.reduce(overlap.linear(h, weight, self._out), self._in)
         bias = self.bias
         if whole_out:
-            y = comm.gather(y, self._out)
+            if not regrouped:
+                y = comm.gather(y, self._out)
         elif bias is not None:
             # backward all-gathers the slices' gradients: the whole bias gets the whole gradient,
             # as under the whole contract, so sync_gradients treats it the same either way
@@ -187,6 +217,37 @@ class Linear(nn.Module):
         if self.skip_bias_add:
             return y, bias
         return y if bias is None else y + bias
+
+    def _regrouped(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """AxoNN's default contract: this rank's samples in, their whole output features out."""
+        rows = x.reshape(-1, x.shape[-1])
+        in_counts = regroup.row_counts(rows.shape[0], self._in, rows.device)
+        h = regroup.rows_to_slices(rows, self._in, in_counts)
+        out_counts = regroup.row_counts(h.shape[0], self._out, rows.device)
+        h = regroup.gather_rows(h, self._out, out_counts)
+        y = comm.reduce(overlap.linear(h, weight, self._out), self._in)
+        y = regroup.own_rows(regroup.slices_to_rows(y, self._out, out_counts), self._in, in_counts)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _check_same_samples(self, x: torch.Tensor, whole_in: bool) -> None:
+        """Once per layer: the whole and sliced contracts need the same samples on every rank of the
+        row x column group (whole features: over both groups; sliced: over the output-feature
+        group). Another rank's samples would be mixed into this rank's output without an error."""
+        if self._samples_checked or not _real(x):
+            return
+        self._samples_checked = True
+        axes = [(self._out, _group_names(self.transpose)[0])]
+        if whole_in:
+            axes.append((self._in, _group_names(self.transpose)[1]))
+        for axis, name in axes:
+            if axis.size > 1 and not _same_on_all(x, axis):
+                raise AtorchConfigError(
+                    f"intra_layer.Linear({self.in_features}, {self.out_features}) got different inputs on the ranks "
+                    f"of its {name} group, but its contract (expert_mode={self.expert_mode}) needs the same samples "
+                    "on every rank of a row x column group (give those ranks the same batch: "
+                    "atorch.data.create_dataloader does). For AxoNN's default contract, each rank its own samples, "
+                    "build the layer with batch_per_rank=True (atorch.compat.axonn.Linear does)"
+                )
 
     def _check_input(self, x: torch.Tensor, whole: bool) -> None:
         width = x.shape[-1] if x.dim() else None
@@ -216,8 +277,27 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"transpose={self.transpose}, expert_mode={self.expert_mode}, "
+                f"transpose={self.transpose}, expert_mode={self.expert_mode}, batch_per_rank={self.batch_per_rank}, "
                 f"grid(out x in x depth)={self._out.size}x{self._in.size}x{self._depth.size}")
+
+
+def _real(x: torch.Tensor) -> bool:
+    """A tensor with data on this process (not meta, fake, or traced by torch.compile)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return (isinstance(x, torch.Tensor) and not x.is_meta and not isinstance(x, FakeTensor)
+            and not torch.compiler.is_compiling())
+
+
+def _same_on_all(x: torch.Tensor, axis) -> bool:
+    """Whether ``x`` is the same on every rank of ``axis`` (shape, sum, sum of squares, hashed bytes)."""
+    flat = x.detach().reshape(-1).double().nan_to_num(0.0, 1e300, -1e300)
+    index = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+    prints = torch.stack([torch.tensor(float(flat.numel()), dtype=torch.float64, device=flat.device),
+                          flat.sum(), flat.square().sum(), (flat * index.remainder(97)).sum()])
+    both = torch.cat([prints, -prints])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=axis.group)
+    return bool(torch.equal(both[:4], -both[4:]))
 
 
 def _shard_full_weight(module: Linear, state_dict, prefix, *args) -> None:

@@ -41,11 +41,12 @@ def _serial() -> tuple[list, dict]:
     return losses, model.state_dict()
 
 
-def _flow(grid, mixed_precision: bool) -> dict:
-    """The AxoNN guide's training flow; global losses and the full weights after STEPS steps."""
+def _flow(grid, mixed_precision: bool, axonn_layers: bool = False) -> dict:
+    """The AxoNN guide's training flow; global losses and the full weights after STEPS steps.
+    ``axonn_layers``: ax.auto_parallelize (AxoNN's per-rank batch contract) in place of atorch's."""
     ax.init(*grid, mixed_precision=mixed_precision)
     torch.manual_seed(123)
-    with intra_layer.auto_parallelize():
+    with (ax.auto_parallelize() if axonn_layers else intra_layer.auto_parallelize()):
         model = mlp()
     torch.manual_seed(0)
     model.load_state_dict(mlp().state_dict())
@@ -88,8 +89,10 @@ def _handles() -> dict:
 
 
 def _all() -> dict:
-    return {"handles": _handles(), "flows": {(grid, mixed): _flow(grid, mixed) for grid in GRIDS
-                                             for mixed in (False, True)}}
+    flows = {(grid, mixed): _flow(grid, mixed) for grid in GRIDS for mixed in (False, True)}
+    # AxoNN's layers fed by ax.create_dataloader (the same samples on a row group): still the serial numbers
+    flows[(GRIDS[0], False, "axonn layers")] = _flow(GRIDS[0], False, axonn_layers=True)
+    return {"handles": _handles(), "flows": flows}
 
 
 def test_axonn_code_shapes_on_4_ranks():
@@ -106,7 +109,7 @@ def test_axonn_code_shapes_on_4_ranks():
         assert handles["ranks"] == (rank, rank // 2, rank % 2, 0, 0)
         assert handles["layer_groups"] == [[rank], handles["groups"]["outer_intra_layer_parallel_group"], [rank]]
         assert handles["data_4"] == (4, 4) and handles["intra_layer_init"] == 4
-        for (grid, mixed), flow in result["flows"].items():
+        for (grid, mixed, *_), flow in result["flows"].items():
             assert (flow["per_rank"], flow["micro"]) == (GLOBAL_BATCH // 2, GLOBAL_BATCH // 2 // MICRO_BATCH)
             if mixed:
                 assert flow["dtypes"] == ({torch.float16}, {torch.float32}), (grid, flow["dtypes"])
