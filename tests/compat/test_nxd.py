@@ -164,3 +164,51 @@ def test_what_nxd_has_and_atorch_refuses_says_so():
         parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
     with pytest.raises(NotSupportedError, match="lnc_size"):
         parallel_state.initialize_model_parallel(1, lnc_size=2)
+
+
+def _embedding_2023() -> dict:
+    """NxD's 2023 test_parallel_embedding, with the import prefix changed and cuda -> cpu."""
+    from torch.nn import init
+
+    world = dist.get_world_size()
+    parallel_state.initialize_model_parallel(world)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    torch.manual_seed(123)
+    ids = torch.LongTensor(size=(5, 7)).random_(0, 48)
+    loss_weight = torch.randn(5, 7, 16)
+    torch.manual_seed(1234)
+    table = ParallelEmbedding(48, 16, init_method=init.normal_, use_cpu_initialization=True)
+    loss = torch.mul(table(ids), loss_weight).sum()
+    loss.backward()
+    torch.manual_seed(1234)
+    positional = ParallelEmbedding(48, 16, init.normal_, params_dtype=torch.float64)  # init_method third
+    out = {"loss": loss.item(), "grad": table.weight.grad.clone(), "tp": world, "rank": tp_rank,
+           "positional": (positional.weight.dtype, positional.weight.double() - table.weight.double())}
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_nxd_2023_parallel_embedding_signature_matches_nn_embedding(world):
+    """Before: TypeError on use_cpu_initialization (only today's signature was accepted)."""
+    torch.manual_seed(123)
+    ids = torch.LongTensor(size=(5, 7)).random_(0, 48)
+    loss_weight = torch.randn(5, 7, 16)
+    torch.manual_seed(1234)
+    serial = nn.Embedding(48, 16)
+    loss = torch.mul(serial(ids), loss_weight).sum()
+    loss.backward()
+    for result in run_distributed(_embedding_2023, world):
+        assert abs(result["loss"] - loss.item()) <= 1e-5 * abs(loss.item())
+        want = serial.weight.grad.split(48 // world)[result["rank"]]
+        assert (result["grad"] - want).abs().max().item() <= 1e-5
+        dtype, diff = result["positional"]
+        assert dtype == torch.float64 and diff.abs().max().item() < 1e-6  # the same draws, in float64
+
+
+def test_nxd_embedding_generations_conflicts_are_refused():
+    with pytest.raises(NotSupportedError, match="init_method twice"):
+        ParallelEmbedding(VOCAB, DIM, nn.init.normal_, init_method=nn.init.xavier_normal_)
+    with pytest.raises(NotSupportedError, match="two dtypes"):
+        ParallelEmbedding(VOCAB, DIM, dtype=torch.float64, params_dtype=torch.bfloat16)
+    assert ParallelEmbedding(VOCAB, DIM, 3).padding_idx == 3  # today's third positional: padding_idx

@@ -169,25 +169,47 @@ class RowParallelLinear(nn.Module):
 
 class ParallelEmbedding(_CoreEmbedding):
     """NxD's ``ParallelEmbedding(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type,
-    scale_grad_by_freq, sparse, init_method, device, dtype, shard_across_embedding, pad)``.
+    scale_grad_by_freq, sparse, init_method, device, dtype, shard_across_embedding, pad)``, and the
+    2023 signature ``ParallelEmbedding(num_embeddings, embedding_dim, init_method, *, params_dtype,
+    use_cpu_initialization)``: a callable third positional is the 2023 ``init_method``.
 
     ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` change per-row maths that a split table
     cannot keep; they are refused rather than ignored.
+
+    Example (both generations build the same table under the same seed)::
+
+        ParallelEmbedding(vocab, hidden, init.normal_, use_cpu_initialization=True)   # NxD 2023
+        ParallelEmbedding(vocab, hidden, init_method=init.normal_)                    # NxD today
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
                  max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
                  sparse: bool = False, init_method=nn.init.normal_, device=None, dtype: torch.dtype = torch.float32,
-                 shard_across_embedding: bool = False, pad: bool = False, *, group=None):
+                 shard_across_embedding: bool = False, pad: bool = False, *, params_dtype: torch.dtype | None = None,
+                 use_cpu_initialization: bool = False, group=None):
+        if callable(padding_idx):  # NxD 2023: (num_embeddings, embedding_dim, init_method, *, ...)
+            if init_method is not nn.init.normal_:
+                raise NotSupportedError("ParallelEmbedding got init_method twice: third positional (NxD 2023's "
+                                        "init_method) and init_method=; pass one")
+            padding_idx, init_method = None, padding_idx
+        if params_dtype is not None:  # NxD 2023's name for dtype
+            if dtype != torch.float32 and dtype != params_dtype:
+                raise NotSupportedError(f"ParallelEmbedding(dtype={dtype}, params_dtype={params_dtype}): two dtypes; "
+                                        "pass one (params_dtype is NxD 2023's name for dtype)")
+            dtype = params_dtype
         _refuse("ParallelEmbedding", pad, device)
         for name, value, default in (("max_norm", max_norm, None), ("scale_grad_by_freq", scale_grad_by_freq, False),
                                      ("sparse", sparse, False)):
             if value != default:
                 raise NotSupportedError(f"ParallelEmbedding({name}={value!r}) is not supported on a split table; "
                                         f"leave {name} at {default!r}")
-        super().__init__(num_embeddings, embedding_dim, init_method=init_method, dtype=dtype, device=device,
+        # drawn in fp32 and cast, as NxD does (the same values in every dtype); use_cpu_initialization:
+        # drawn on the CPU, then moved (the same values)
+        super().__init__(num_embeddings, embedding_dim, init_method=init_method, dtype=torch.float32,
+                         device=None if use_cpu_initialization else device,
                          shard_across_embedding=shard_across_embedding,
                          group=group if group is not None else _tensor_group())
+        self.weight.data = self.weight.data.to(dtype=dtype, device=device if device is not None else "cpu")
         self.padding_idx = padding_idx
         if padding_idx is not None:  # nn.Embedding's zero row: zero it where this rank holds it
             with torch.no_grad():
