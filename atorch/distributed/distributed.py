@@ -9,6 +9,8 @@ order, True in a plain single process), not :func:`atorch.init_distributed`.
 
 from atorch.compat.antgroup.distributed import (  # noqa: F401 - re-exported under ATorch's path
     backend,
+    coworker_num_per_node,
+    coworker_size,
     create_parallel_group,
     create_sequence_parallel_group,
     destroy_parallel_group,
@@ -17,6 +19,7 @@ from atorch.compat.antgroup.distributed import (  # noqa: F401 - re-exported und
     get_sequence_parallel_rank,
     get_sequence_parallel_size,
     init_distributed,
+    is_coworker,
     is_distributed,
     local_rank,
     nproc_per_node,
@@ -30,5 +33,6 @@ from atorch.compat.antgroup.distributed import (  # noqa: F401 - re-exported und
     rank,
     reset_distributed,
     seq_all_to_all,
+    use_coworker,
     world_size,
 )

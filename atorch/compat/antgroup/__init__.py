@@ -12,8 +12,10 @@ What differs and what is refused: docs/migrating.md.
 
 from atorch.compat.antgroup.auto import auto_accelerate
 from atorch.compat.antgroup.distributed import (
+    coworker_size,
     create_parallel_group,
     init_distributed,
+    is_coworker,
     local_rank,
     parallel_group,
     parallel_group_size,
@@ -29,10 +31,12 @@ from atorch.distributed.env import device
 
 __all__ = [
     "auto_accelerate",
+    "coworker_size",
     "create_parallel_group",
     "device",
     "get_strategy",
     "init_distributed",
+    "is_coworker",
     "local_rank",
     "parallel_group",
     "parallel_group_size",

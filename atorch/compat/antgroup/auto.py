@@ -12,7 +12,9 @@ The arguments are ATorch's; what ATorch took in ``**kwargs`` and atorch does not
   ``batch_size`` rows when ``expand_sample_batch`` (default True); the result then has no
   dataloader, as in ATorch.
 - ``save_strategy_to_file`` writes JSON (ATorch wrote a pickle).
-- The amp optimizer (``amp_native``) has ATorch's ``grad_scaler`` and ``step_was_skipped``.
+- The amp optimizer (``amp_native``) is ATorch's: ``grad_scaler`` and ``step_was_skipped`` (a
+  BF16GradScaler under bf16 with ``skip_if_nonfinite``), the unwrapped optimizer under bf16
+  without it (:mod:`atorch.compat.antgroup.amp`).
 """
 
 from typing import Any
@@ -21,6 +23,7 @@ import torch
 
 from atorch.amp.optimizer import AmpOptimizer
 from atorch.auto import auto_accelerate as _auto_accelerate
+from atorch.compat.antgroup.amp import atorch_amp_optimizer
 from atorch.compat.antgroup.strategy_io import to_strategy
 from atorch.errors import AtorchConfigError
 
@@ -88,31 +91,5 @@ def auto_accelerate(model, optim_func=None, dataset=None, loss_func=None, prepar
     if status and from_sample:
         result = result._replace(dataloader=None)  # the sample only fed the dry runs
     if status and isinstance(result.optim, AmpOptimizer):
-        result = result._replace(optim=AmpOptimizerView(result.optim))
+        result = result._replace(optim=atorch_amp_optimizer(result.optim))
     return status, result, strategy
-
-
-class AmpOptimizerView:
-    """ATorch's amp optimizer surface over atorch's :class:`atorch.amp.optimizer.AmpOptimizer`:
-    ``grad_scaler`` (the GradScaler, None under bf16) and ``step_was_skipped`` (whether the last
-    ``step()`` was skipped for inf/nan gradients); everything else is the wrapped optimizer's."""
-
-    def __init__(self, inner):
-        self._inner, self._skipped = inner, False
-
-    @property
-    def grad_scaler(self):
-        return self._inner.scaler
-
-    @property
-    def step_was_skipped(self) -> bool:
-        return self._skipped
-
-    def step(self, closure=None):
-        before = self._inner.skipped_steps
-        result = self._inner.step(closure)
-        self._skipped = self._inner.skipped_steps > before
-        return result
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)

@@ -5,8 +5,9 @@
 
 ``create_parallel_group(([("model", 2), ("data", 2)], None))`` builds a Topology (dims innermost
 first, as ATorch lists them) and makes it the one :mod:`atorch.parallel_state` reads. ATorch's dim
-names ``"model"`` (tensor) and ``"pipe"`` (pipeline) are accepted; the getters answer to the name
-used and to atorch's name. What differs: no coworker processes, no RPC network for ``"pipe"``
+names ``"model"`` (tensor) and ``"pipe"`` (pipeline) are accepted; the getters answer to either
+name and read the one Topology, whoever made it (this function, ``parallel_mode`` in
+``auto_accelerate``, ``parallel_state.initialize_model_parallel``). What differs: no coworker processes, no RPC network for ``"pipe"``
 (atorch pipelines with torch.distributed.pipelining), one parallel instance (``world`` = product
 of the sizes).
 """
@@ -28,10 +29,9 @@ DIM_NAMES = {"model": "tensor", "pipe": "pipeline"}
 
 
 class _Groups:
-    """What create_parallel_group made: the topology and the names the caller used."""
+    """What create_parallel_group made (its config is what parallel_config() returns for it)."""
 
     topology: Topology | None = None
-    names: dict[str, str] = {}  # caller's name -> atorch dim
     config = None
 
 
@@ -103,38 +103,53 @@ def create_parallel_group(parallel_config, use_atorch_pipe: bool = False) -> Top
         destroy_parallel_group()
     topology = Topology.build(dims, rank_order)
     _Groups.topology, _Groups.config = topology, parallel_config
-    _Groups.names = {name: DIM_NAMES.get(name, name) for name, _ in slicing_dim}
-    _Groups.names.update({dim: dim for dim, _ in dims})
     parallel_state.set_topology(topology)
     return topology
 
 
 def destroy_parallel_group(destroy_rpc: bool = True) -> None:
-    """Forget the groups of :func:`create_parallel_group` (the process group stays)."""
-    if parallel_state.current_topology() is _Groups.topology:
-        parallel_state.set_topology(None)
-    _Groups.topology, _Groups.names, _Groups.config = None, {}, None
+    """Forget the parallel groups (the process group stays): the getters answer None afterwards,
+    whether :func:`create_parallel_group` or ``auto_accelerate``'s ``parallel_mode`` made them,
+    as in ATorch (one registry of groups)."""
+    parallel_state.set_topology(None)
+    _Groups.topology, _Groups.config = None, None
+
+
+def _topology() -> Topology | None:
+    """The one Topology: the getters read it whoever made it (create_parallel_group,
+    ``parallel_mode`` in auto_accelerate, parallel_state.initialize_model_parallel)."""
+    return parallel_state.current_topology()
 
 
 def _dim(name: str) -> str | None:
-    return _Groups.names.get(name) if _Groups.topology is not None else None
+    """atorch's dim for ATorch's ``name`` if the current Topology has it (ATorch: None otherwise)."""
+    topology = _topology()
+    if topology is None:
+        return None
+    dim = DIM_NAMES.get(name, name)
+    names = {d for d, _ in topology.dims}
+    if topology.tensor_split is not None:
+        names.update(("row", "col", "depth"))
+    if not topology.dims and dim == "data":  # one process, no mesh: a data dim of size 1
+        return dim
+    return dim if dim in names else None
 
 
 def parallel_group(name: str):
-    """This rank's process group along ``name``; None if no such dim was created."""
+    """This rank's process group along ``name``; None if the Topology has no such dim."""
     dim = _dim(name)
-    return None if dim is None else _Groups.topology.group(dim)
+    return None if dim is None else _topology().group(dim)
 
 
 def parallel_group_size(name: str) -> int | None:
     dim = _dim(name)
-    return None if dim is None else _Groups.topology.size(dim)
+    return None if dim is None else _topology().size(dim)
 
 
 def parallel_rank(name: str) -> int | None:
     """This rank's index in its ``name`` group (its position on the mesh)."""
     dim = _dim(name)
-    return None if dim is None else _Groups.topology.coordinate(dim)
+    return None if dim is None else _topology().coordinate(dim)
 
 
 def parallel_group_and_ranks(name: str):
@@ -142,21 +157,46 @@ def parallel_group_and_ranks(name: str):
     dim = _dim(name)
     if dim is None:
         return None, None
-    mesh = _Groups.topology.named_mesh
-    return _Groups.topology.group(dim), mesh[dim].mesh.tolist() if mesh is not None else [0]
+    topology = _topology()
+    mesh = topology.named_mesh
+    return topology.group(dim), mesh[dim].mesh.tolist() if mesh is not None else [0]
 
 
 def parallel_config():
-    return _Groups.config
+    """``(dims, rank_order)`` of the current Topology (as create_parallel_group got it, when it made it)."""
+    topology = _topology()
+    if topology is None:
+        return None
+    if topology is _Groups.topology:
+        return _Groups.config
+    return (list(topology.dims), topology.rank_order)
 
 
 def parallel_instance_num() -> int | None:
     """How many parallel instances the job holds: 1 once groups exist (None before)."""
-    return None if _Groups.topology is None else 1
+    return None if _topology() is None else 1
 
 
 def parallel_instance_index() -> int | None:
-    return None if _Groups.topology is None else 0
+    return None if _topology() is None else 0
+
+
+def is_coworker() -> bool:
+    """False: atorch starts no coworker processes (``init_distributed(coworker_num_per_node>0)``
+    is refused), so every process is a worker, as in ATorch without coworkers."""
+    return False
+
+
+def use_coworker() -> bool:
+    return False
+
+
+def coworker_size() -> int:
+    return 0
+
+
+def coworker_num_per_node() -> int:
+    return 0
 
 
 def reset_distributed() -> None:

@@ -1,0 +1,125 @@
+"""ATorch code shapes, round 2 (issue 39): the parallel-group getters after auto_accelerate's
+parallel_mode, ATorch's ColumnParallelLinear contract (output split), the amp optimizer's
+BF16GradScaler and unwrapped bf16 optimizer, is_coworker; on 2 gloo ranks against one process."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from atorch.compat import antgroup as atorch
+from atorch.compat.antgroup import distributed as atd
+from atorch.compat.antgroup.amp import BF16GradScaler
+from atorch.compat.antgroup.layers import ColumnParallelLinear, RowParallelLinear
+from atorch.errors import NotSupportedError
+from tests.compat.test_antgroup import LR, Net, Rows, _loss
+from tests.helpers.dist import run_distributed
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return ColumnParallelLinear(8, 16), RowParallelLinear(16, 8)
+
+
+def _inputs():
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+
+def _amp(config: dict):
+    torch.manual_seed(0)
+    status, result, _ = atorch.auto_accelerate(
+        Net(), torch.optim.SGD, Rows(), _loss, optim_args={"lr": LR}, dataloader_args={"batch_size": 8},
+        model_input_format="unpack_dict", load_strategy=[("parallel_mode", ([("data", dist.get_world_size())], None),
+                                                          False), ("amp_native", config, False)])
+    assert status
+    return result
+
+
+def _round2() -> dict:
+    out = {}
+    # item 5: the getters after auto_accelerate applied parallel_mode (no create_parallel_group)
+    result = _amp({"dtype": torch.bfloat16, "skip_if_nonfinite": True})
+    out["getters"] = (atorch.parallel_instance_num(), atorch.parallel_instance_index(),
+                      atorch.parallel_group_size("data"), atorch.parallel_rank("data"),
+                      dist.get_process_group_ranks(atorch.parallel_group("data")),
+                      atorch.parallel_group_size("model"), atd.parallel_config())
+    # item 3: bf16 with skip_if_nonfinite: ATorch's BF16GradScaler, skipping agreed over the ranks
+    optim, scaler = result.optim, result.optim.grad_scaler
+    out["scaler"] = (type(scaler).__name__, scaler._init_scale, scaler._growth_factor, scaler._backoff_factor)
+    before = [p.detach().clone() for p in result.model.parameters()]
+    flags = []
+    for step, batch in zip(range(2), result.dataloader):
+        batch = result.prepare_input(batch, atorch.device())
+        optim.zero_grad()
+        scale = float("inf") if step == 0 and dist.get_rank() == 0 else 1.0  # inf on rank 0 only
+        (result.loss_func(batch, result.model(**batch)) * scale).backward()
+        optim.step()
+        flags.append((optim.step_was_skipped, scaler.has_overflow()))
+        if step == 0:
+            out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, result.model.parameters()))
+    out["flags"] = flags
+    atd.destroy_parallel_group()
+    # item 8: ATorch's ColumnParallelLinear keeps its output split
+    atorch.create_parallel_group(([("model", 2)], None))
+    up, down = _mlp()
+    x = _inputs()
+    hidden = up(x)
+    y = down(F.gelu(hidden))
+    y.square().sum().backward()
+    out["mlp"] = {"hidden": hidden.detach(), "y": y.detach(), "up_grad": up.weight.grad, "down_grad": down.weight.grad,
+                  "up_bias": up.bias.detach()}
+    atd.destroy_parallel_group()
+    return out
+
+
+def test_atorch_round2_on_2_ranks_matches_one_process():
+    up, down = _mlp()  # no groups: the whole layers, under the same seed
+    x = _inputs()
+    hidden = up(x)
+    y = down(F.gelu(hidden))
+    y.square().sum().backward()
+    for rank, result in enumerate(run_distributed(_round2, 2)):
+        assert result["getters"] == (1, 0, 2, rank, [0, 1], None, ([("data", 2)], None)), result["getters"]
+        assert result["scaler"] == ("BF16GradScaler", 1.0, 1.0, 1.0)
+        assert result["unchanged"] and result["flags"] == [(True, True), (False, False)], result["flags"]
+        mlp, part = result["mlp"], slice(rank * 8, (rank + 1) * 8)
+        assert mlp["hidden"].shape == (4, 8)  # split output, as in ATorch (atorch's default gathers: 16)
+        assert (mlp["hidden"] - hidden[:, part]).abs().max().item() <= 1e-5
+        assert (mlp["y"] - y).abs().max().item() <= 1e-5 * y.abs().max().item()
+        assert (mlp["up_grad"] - up.weight.grad[part]).abs().max().item() <= 1e-5 * up.weight.grad.abs().max().item()
+        assert (mlp["down_grad"] - down.weight.grad[:, part]).abs().max().item() <= 1e-5 * down.weight.grad.abs().max()
+        assert torch.equal(mlp["up_bias"], torch.zeros(8))  # ATorch starts biases at zero
+
+
+def test_bf16_without_skip_if_nonfinite_leaves_the_optimizer_unwrapped():
+    """ATorch's amp_test: no grad_scaler, no step_was_skipped (before: the compat view had both)."""
+    status, result, _ = atorch.auto_accelerate(
+        Net(), torch.optim.SGD, Rows(), _loss, optim_args={"lr": LR}, dataloader_args={"batch_size": 8},
+        model_input_format="unpack_dict", load_strategy=[("amp_native", {"dtype": torch.bfloat16}, False)])
+    assert status and type(result.optim) is torch.optim.SGD
+    assert not hasattr(result.optim, "grad_scaler") and not hasattr(result.optim, "step_was_skipped")
+
+
+def test_bf16_grad_scaler_skips_a_nonfinite_step_of_a_plain_optimizer():
+    param = torch.nn.Parameter(torch.ones(2))
+    optim, scaler = torch.optim.SGD([param], lr=1.0), BF16GradScaler()
+    assert scaler.scale(torch.tensor(3.0)).item() == 3.0 and scaler.get_scale() == 1.0
+    param.grad = torch.tensor([float("inf"), 1.0])
+    scaler.step(optim)
+    assert scaler.has_overflow() and torch.equal(param.detach(), torch.ones(2))
+    param.grad = torch.tensor([1.0, 1.0])
+    scaler.step(optim)
+    assert not scaler.has_overflow() and torch.equal(param.detach(), torch.zeros(2))
+
+
+def test_is_coworker_and_what_atorch_layers_refuse():
+    from atorch.distributed.distributed import is_coworker
+
+    assert is_coworker() is False and atorch.is_coworker() is False  # before: AttributeError
+    with pytest.raises(NotSupportedError, match="defer_init"):
+        ColumnParallelLinear(4, 4, defer_init=True)
+    with pytest.raises(NotSupportedError, match="ranks"):
+        RowParallelLinear(4, 4, ranks=[0, 1])
+    linear = torch.nn.Linear(4, 6)
+    layer = ColumnParallelLinear(orig_module=linear)  # one rank: the whole nn.Linear
+    assert torch.equal(layer.weight, linear.weight) and torch.equal(layer.bias, linear.bias)
