@@ -9,9 +9,10 @@ import torch
 from atorch.auto import loop
 from atorch.auto.context import ModelContext, move_to_device
 from atorch.auto.environment import DeviceContext
+from atorch.auto.fit_dims import FitJob
 from atorch.auto.inputs import check_job
 from atorch.auto.order import applied_order
-from atorch.auto.plan import plan_strategy, resolve_strategy
+from atorch.auto.plan import log_notes, plan_strategy, resolve_strategy
 from atorch.auto.registry import Stage, absorbed_methods, get_method
 from atorch.auto.strategy import Strategy, parse_strategy
 from atorch.distributed import env
@@ -21,9 +22,17 @@ from atorch.utils.log import logger
 class AutoAccelerateResult(collections.namedtuple(
         "AutoAccelerateResult", ["model", "optim", "dataloader", "loss_func", "prepare_input", "lr_scheduler", "args"])):
     """What the training loop needs; ``backward(loss)`` and ``step()`` run one step the way the
-    strategy needs it (pipeline, DeepSpeed...), so the loop is the same under every strategy."""
+    strategy needs it (pipeline, DeepSpeed...), so the loop is the same under every strategy.
 
-    __slots__ = ()
+    ``notes`` (not one of the seven fields, so ``model, optim, ... = result`` still unpacks):
+    each change the planner made to the requested strategy, with its reason: a method dropped
+    (e.g. ``fsdp`` with one data-parallel rank), a dim chosen for a method that was named without
+    it (``tensor_parallel`` -> ``tensor=2``), the data dim rescaled. The ones that make the job
+    run otherwise than written were also logged at WARNING.
+    """
+
+    # No __slots__: ``notes`` lives in the instance's __dict__, beside the tuple.
+    notes: tuple[str, ...] = ()
 
     def backward(self, loss) -> None:
         """``loss.backward()``, or what replaces it under this strategy (atorch/auto/loop.py).
@@ -77,7 +86,10 @@ def auto_accelerate(
 
     Returns ``(status, result, best_strategy)``. ``result`` is an :data:`AutoAccelerateResult`
     namedtuple ``(model, optim, dataloader, loss_func, prepare_input, lr_scheduler, args)``;
-    ``best_strategy`` is the strategy as applied here (drops and rescaling included).
+    ``best_strategy`` is the strategy as applied here (drops and rescaling included), and
+    ``result.notes`` says what changed and why. A method named without the parallel dim it needs
+    (``["parallel_mode", "tensor_parallel"]``) gets the largest size the world and the model
+    allow (logged at WARNING); when none fits, a :class:`~atorch.errors.WorldSizeError` names the fix.
 
     - ``optim_func(params, **optim_args)``: an optimizer class or function; ``optim_param_func(model)``
       returns parameter groups instead of ``model.parameters()``.
@@ -144,12 +156,19 @@ def auto_accelerate(
     def make_context(module: torch.nn.Module) -> ModelContext:
         return ModelContext(model=module, device_ctx=device_ctx, **job)
 
+    batch_size = job["dataloader_args"].get("batch_size")
+    fit_job = FitJob(model, batch_size if isinstance(batch_size, int) else None, model_input_format)
+    loaded_notes: list = []
     dry_run_loaded = not kwargs.get("ignore_dryrun_on_load_strategy", True)
     if load_strategy is None or finetune_strategy or dry_run_loaded:
         from atorch.auto.search.run import check_searchable, run_search
 
         check_searchable(optim_func, dataset, loss_func)
-        base = None if load_strategy is None else plan_strategy(parse_strategy(load_strategy), device_ctx)[0]
+        base = None
+        if load_strategy is not None:  # its drops and fitted dims are the user's to read, not the search's
+            base, loaded_notes = plan_strategy(parse_strategy(load_strategy), device_ctx, job=fit_job)
+            base = resolve_strategy(model, base, loaded_notes)
+            log_notes(loaded_notes)
         requested = run_search(model, device_ctx, make_context, apply_strategy, kwargs, excluded, included, base,
                                only_base=dry_run_loaded and not finetune_strategy and base is not None)
         if requested is None:
@@ -157,10 +176,10 @@ def auto_accelerate(
         excluded = included = None  # already honoured by the search
     else:
         requested = parse_strategy(load_strategy)
-    strategy, notes = plan_strategy(requested, device_ctx, excluded, included)
-    for note in notes:
-        logger.info(note)
-    strategy = resolve_strategy(model, strategy)
+    strategy, notes = plan_strategy(requested, device_ctx, excluded, included, job=fit_job)
+    strategy = resolve_strategy(model, strategy, notes)
+    log_notes(notes)
+    notes = loaded_notes + notes
     if kwargs.get("search_only"):
         return True, None, strategy
 
@@ -175,6 +194,7 @@ def auto_accelerate(
     result = AutoAccelerateResult(
         ctx.model, ctx.optim, ctx.dataloader, ctx.loss_func, ctx.prepare_input, ctx.lr_scheduler, ctx.args
     )
+    result.notes = tuple(notes)
     return True, result, strategy
 
 

@@ -28,7 +28,9 @@ with the message below.
   stays in the strategy and its other hooks (loss scaling) still run.
 - **needs**: the first is refused without the second.
 - Pairs where a method also needs a parallel dim or more than one data-parallel rank are planned
-  per world size: a method that cannot use the ranks it is given is dropped with a note.
+  per world size: a method named without the dim it needs gets one chosen (or the plan is
+  refused); a sharding method with a single data-parallel rank is dropped, at WARNING and in
+  `result.notes`.
 """
 
 

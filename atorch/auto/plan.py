@@ -1,13 +1,17 @@
 """Fit a requested strategy to this job before anything is applied.
 
-Every adjustment (a method dropped, a dim rescaled, a default added) is returned as a note with
-its reason, logged by the caller, and visible in the strategy that comes back. Contradictions
+Every adjustment (a method dropped, a dim rescaled or chosen, a default added) is returned as a
+:class:`Note` with its reason; the caller logs it (at WARNING when the job runs otherwise than the
+user wrote) and returns it with the result. A method the user names is never dropped for want of
+the dim it needs: the dim is fitted (atorch/auto/fit_dims.py) or the plan raises. Contradictions
 raise a user error here, so a strategy is never half-applied.
 """
 
+import logging
 from collections.abc import Iterable
 
 from atorch.auto.environment import DeviceContext
+from atorch.auto.fit_dims import FitJob, fit_missing_dims
 from atorch.auto.order import applied_order
 from atorch.auto.registry import get_method
 from atorch.auto.strategy import Strategy
@@ -16,13 +20,42 @@ from atorch.errors import StrategyConflictError
 from atorch.utils.log import logger
 
 
+class Note(str):
+    """One adjustment the planner made, as text. ``warning`` is True when the job runs otherwise
+    than the user wrote (a named method dropped, a dim chosen for one): logged at WARNING; the
+    others (a default added, the data dim rescaled) at INFO. Both are returned with the result."""
+
+    warning: bool = False
+
+    def __new__(cls, text: str, warning: bool = False) -> "Note":
+        note = super().__new__(cls, text)
+        note.warning = warning
+        return note
+
+
+def dropped(name: str, reason: str) -> Note:
+    return Note(f"{name}: dropped because {reason}", warning=True)
+
+
+def log_notes(notes: Iterable[str]) -> None:
+    """Each note at WARNING when it says the job runs otherwise than written, else at INFO."""
+    for note in notes:
+        logger.log(logging.WARNING if getattr(note, "warning", False) else logging.INFO, "%s", note)
+
+
 def plan_strategy(
     strategy: Strategy,
     device_ctx: DeviceContext,
     excluded: Iterable[str] | None = None,
     included: Iterable[str] | None = None,
-) -> tuple[Strategy, list[str]]:
-    """Return the strategy that will run here and the notes that explain each change."""
+    job: FitJob | None = None,
+) -> tuple[Strategy, list[Note]]:
+    """Return the strategy that will run here and the notes that explain each change.
+
+    ``job`` (the model and its batch) lets a method named without its parallel dim get the
+    largest size the model allows; without it the size is fitted to the world alone and the
+    model is checked when the method is applied.
+    """
     excluded = list(excluded or [])
     included = list(included or [])
     for name in excluded + included:
@@ -30,16 +63,16 @@ def plan_strategy(
     both = sorted(set(excluded) & set(included))
     if both:
         raise StrategyConflictError(f"methods {both} are both excluded and included; pick one")
-    notes: list[str] = []
+    notes: list[Note] = []
 
     for name in included:
         if name not in strategy:
             strategy = strategy.with_method(name)
-            notes.append(f"{name}: added with its default config because it is in `included`")
+            notes.append(Note(f"{name}: added with its default config because it is in `included`"))
     for name in excluded:
         if name in strategy:
             strategy = strategy.without(name)
-            notes.append(f"{name}: dropped because it is in `excluded`")
+            notes.append(Note(f"{name}: dropped because it is in `excluded`"))  # as the user asked
 
     # Conflicts that hold at any world size are refused before anything is dropped for this job
     # (zero2 + fsdp on one process would otherwise lose both quietly and fail only at scale).
@@ -58,17 +91,21 @@ def plan_strategy(
                 reason = f"{present[0]} is in the strategy and takes its place"
         if reason is not None:
             strategy = strategy.without(name)
-            notes.append(f"{name}: dropped because {reason}")
+            notes.append(dropped(name, reason))
 
     if device_ctx.distributed and "parallel_mode" not in strategy:
         strategy = strategy.with_method("parallel_mode", first=True)
-        notes.append(f"parallel_mode: added (data parallel over {device_ctx.world_size} processes) because none was given")
+        notes.append(Note(f"parallel_mode: added (data parallel over {device_ctx.world_size} processes) "
+                          "because none was given"))
 
     if "parallel_mode" in strategy:
         config = strategy.get("parallel_mode")
         requested = config.dims or [("data", device_ctx.world_size)]
+        requested, fitted = fit_missing_dims(strategy, requested, device_ctx.world_size,
+                                             device_ctx.local_world_size, job)
+        notes += [Note(note, warning=True) for note in fitted]
         dims, dim_notes = resolve_dims(requested, device_ctx.world_size, config.rank_order)
-        notes += [f"parallel_mode: {note}" for note in dim_notes]
+        notes += [Note(f"parallel_mode: {note}") for note in dim_notes]
         for name, method_config in strategy.items():
             lay_out = get_method(name).lay_out_dims
             if lay_out is not None:
@@ -86,12 +123,16 @@ def plan_strategy(
     for name, _ in strategy.items():
         spec = get_method(name)
         missing = [dim for dim in spec.needs_dims if dims.get(dim, 1) <= 1]
+        if missing:
+            # What fit_missing_dims left: a dim written as 1, or one only another method fills.
+            dim = missing[0]
+            written = f"sets the {dim!r} dim to 1" if dim in dims else f"has no {dim!r} dim"
+            raise StrategyConflictError(
+                f"{name} needs a {dim!r} dim larger than 1 but parallel_mode {written}; write ({dim!r}, N) with "
+                f"N > 1 in parallel_mode's dims, leave the {dim!r} dim out to let atorch choose N, or remove {name}")
         if spec.needs_data_parallel and dp_size == 1:
             strategy = strategy.without(name)
-            notes.append(f"{name}: dropped because it shards over data-parallel ranks and there is only one")
-        elif missing:
-            strategy = strategy.without(name)
-            notes.append(f"{name}: dropped because parallel_mode has no {missing[0]!r} dim larger than 1")
+            notes.append(dropped(name, "it shards over data-parallel ranks and there is only one"))
 
     strategy = in_applied_order(strategy)
     check_relations(strategy)  # in applied order: the same message whatever the list order
@@ -130,9 +171,13 @@ def relation_problems(strategy: Strategy) -> list[str]:
     return problems
 
 
-def resolve_strategy(model, strategy: Strategy) -> Strategy:
+def resolve_strategy(model, strategy: Strategy, notes: list[Note] | None = None) -> Strategy:
     """Each method's ``resolve`` applied to ``model``: user errors raised before anything runs,
-    and the choices methods make from the model (checkpointed classes, FSDP units) filled in."""
+    and the choices methods make from the model (checkpointed classes, FSDP units) filled in.
+
+    A method that would change nothing on ``model`` is dropped: with ``notes`` (the user's own
+    strategy) the drop is appended there for the caller to log at WARNING; without (the search's
+    candidates) it is logged at INFO."""
     for name, config in strategy.items():
         spec = get_method(name)
         if spec.resolve is not None:
@@ -141,7 +186,11 @@ def resolve_strategy(model, strategy: Strategy) -> Strategy:
         idle = spec.changes_nothing(model, config) if spec.changes_nothing is not None else None
         if idle is not None:
             strategy = strategy.without(name)
-            logger.info("%s: dropped because it would change nothing: %s", name, idle)
+            note = dropped(name, f"it would change nothing: {idle}")
+            if notes is None:
+                logger.info("%s", note)
+            else:
+                notes.append(note)
     return strategy
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atorch.auto.environment import DeviceContext
+from atorch.auto.fit_dims import FitJob
 from atorch.auto.plan import in_applied_order, plan_strategy, relation_problems
 from atorch.auto.registry import get_method
 from atorch.auto.strategy import Strategy, _split_item, make_config, method_entries, read_strategy_file
@@ -95,7 +96,7 @@ def check_strategy_file(
         capability = (9, 0) if device == "cuda" else None
         device_ctx = DeviceContext(world_size, min(world_size, 8), torch.device(device), capability, 2**40)
         try:
-            check.planned, check.notes = plan_strategy(check.strategy, device_ctx)
+            check.planned, check.notes = plan_strategy(check.strategy, device_ctx, job=FitJob(model))
             target = check.planned
         except AtorchConfigError as error:
             check.problems.append(f"on {world_size} ranks: {error}")

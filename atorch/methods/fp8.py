@@ -105,6 +105,18 @@ def apply(ctx: ModelContext, config: Fp8Config) -> None:
             logger.info("fp8: %s kept: %s", name, reason)
 
 
+def changes_nothing(model: nn.Module, config: Fp8Config) -> str | None:
+    """Why fp8 would replace no layer of ``model`` (then it is dropped before anything runs, at
+    WARNING and in the result's notes, instead of wrapping the forward in an fp8 autocast that
+    no layer uses)."""
+    chosen, skipped = fp8_candidates(model, config.include, config.exclude)
+    if chosen:
+        return None
+    why = "; ".join(sorted(set(skipped.values()))) or "it has none"
+    return (f"no nn.Linear of {type(model).__name__} can run in fp8 ({why}); change include/exclude, or "
+            f"use dims that are multiples of {FP8_ALIGNMENT}")
+
+
 def _unsupported(device_ctx, config: Fp8Config) -> str | None:
     if importlib.util.find_spec("transformer_engine") is None:
         return "transformer-engine is not installed (pip install 'atorch[transformer-engine]')"
@@ -131,6 +143,7 @@ register_method(
         },
         description="fp8 matmuls through transformer-engine (sm 8.9+)",
         unsupported=_unsupported,
+        changes_nothing=changes_nothing,
         search_space=({},),
         # transformer-engine layers need a GPU: the cost model's activation probe leaves them out
         probed=False,

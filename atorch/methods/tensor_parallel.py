@@ -123,9 +123,16 @@ def tensor_ineligible(model, tensor: int) -> str | None:
 
 
 def ineligible(model, config: TensorParallelConfig, job: LayoutJob) -> str | None:
+    tensor = job.dims.get("tensor", 1)
     if config.algorithm == "3d":
-        return None  # the search does not lay out 3d grids; a loaded one is checked when applied
-    return tensor_ineligible(model, job.dims.get("tensor", 1))
+        # The search does not lay out 3d grids; a tensor dim fitted for one must be the grid's
+        # size, and the model is checked when the grid is applied.
+        grid = math.prod(config.grid)
+        if grid != tensor:
+            return (f"tensor={tensor}: the 3d grid row x col x depth = {' x '.join(map(str, config.grid))} "
+                    f"needs a tensor dim of {grid}")
+        return None
+    return tensor_ineligible(model, tensor)
 
 
 # Of the 34 bytes per token and hidden unit a transformer layer saves for backward, 24 lie inside

@@ -241,6 +241,7 @@ def train_losses(load_strategy, steps: int = 5, batch_size: int = 8, lr: float =
         "replicated": replicated_params(result.model),
         "linear_dtypes": sorted(str(d) for d in dtypes),
         "strategy": strategy.to_json(),
+        "notes": list(result.notes),
         "model_type": type(result.model).__name__,
         "optim_type": type(result.optim).__name__,
         "state_numel": None if result.args["use_optim_backward"] else optimizer_state_numel(result.optim),

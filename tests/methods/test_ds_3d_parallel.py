@@ -24,13 +24,17 @@ def test_deepspeed_pipeline2_matches_single_process():
     assert Strategy.from_json(results[0]["strategy"]).opt_names == ["parallel_mode", "ds_3d_parallel"]
 
 
-def test_dropped_without_deepspeed_or_a_pipeline_dim():
+def test_dropped_without_deepspeed_and_given_a_pipeline_dim_without_one():
     from atorch.auto.environment import DeviceContext
     from atorch.auto.plan import plan_strategy
     from atorch.methods.ds_3d_parallel import Ds3dParallelConfig, _unsupported
 
     strategy, notes = plan_strategy(Strategy(["parallel_mode", "ds_3d_parallel"]),
                                     DeviceContext(2, 2, torch.device("cpu"), None, 2**30))
-    assert strategy.opt_names == ["parallel_mode"]
-    expected = "no 'pipeline' dim" if _unsupported(None, Ds3dParallelConfig()) is None else "needs DeepSpeed"
-    assert any(expected in n for n in notes)
+    if _unsupported(None, Ds3dParallelConfig()) is None:  # installed: a pipeline dim is chosen for it
+        assert strategy.opt_names == ["parallel_mode", "ds_3d_parallel"]
+        assert strategy.get("parallel_mode").dims == [("pipeline", 2), ("data", 1)]
+        assert any("no 'pipeline' dim; chose pipeline=2" in n and n.warning for n in notes)
+    else:
+        assert strategy.opt_names == ["parallel_mode"]
+        assert any("needs DeepSpeed" in n and n.warning for n in notes)

@@ -29,6 +29,17 @@ def test_only_aligned_included_not_excluded_linears():
     assert chosen == ["layers.1"] and skipped["layers.0"] == "not matched by include"
 
 
+def test_a_model_with_no_layer_for_fp8_drops_it_with_a_warning_note():
+    from atorch.auto.plan import resolve_strategy
+
+    notes = []
+    strategy = resolve_strategy(Net(), Strategy([("fp8", {"include": ["odd"]})]), notes)
+    assert strategy.opt_names == []
+    assert notes[0].warning and notes[0].startswith("fp8: dropped because it would change nothing: no nn.Linear")
+    assert "multiples of 16" in notes[0] and "not matched by include" in notes[0]
+    assert resolve_strategy(Net(), Strategy(["fp8"]), notes).opt_names == ["fp8"]
+
+
 def test_swap_keeps_weights_through_the_factory():
     net = Net()
     before = net.layers[0].weight.clone()

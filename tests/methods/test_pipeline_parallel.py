@@ -42,15 +42,16 @@ def test_llama_pipeline2_matches_single_process():
     assert strategy.opt_names == ["parallel_mode", "pipeline_parallel"]
 
 
-def test_dropped_without_a_pipeline_dim_and_conflicts_raise():
+def test_without_a_pipeline_dim_one_is_chosen_and_conflicts_raise():
     from atorch.auto.environment import DeviceContext
     from atorch.auto.plan import plan_strategy
     from atorch.errors import StrategyConflictError, WorldSizeError
 
     device = DeviceContext(2, 2, torch.device("cpu"), None, 2**30)
     strategy, notes = plan_strategy(Strategy(["parallel_mode", "pipeline_parallel"]), device)
-    assert strategy.opt_names == ["parallel_mode"]
-    assert any("no 'pipeline' dim" in n for n in notes)
+    assert strategy.opt_names == ["parallel_mode", "pipeline_parallel"]
+    assert strategy.get("parallel_mode").dims == [("pipeline", 2), ("data", 1)]
+    assert any("no 'pipeline' dim; chose pipeline=2" in n and n.warning for n in notes)
     with pytest.raises(WorldSizeError, match="need a multiple of 3 processes but the world size is 2"):
         plan_strategy(Strategy([("parallel_mode", ([("pipeline", 3)], None)), "pipeline_parallel"]), device)
     with pytest.raises(StrategyConflictError, match="'pipeline_parallel' and 'fsdp'"):

@@ -109,14 +109,16 @@ def test_models_it_cannot_split_get_an_error():
     assert run_distributed(_unshardable, 2) == ["raised", "raised"]
 
 
-def test_dropped_without_a_tensor_dim():
+def test_without_a_tensor_dim_one_is_chosen_never_dropped():
+    """Trained on 2 ranks against the serial run: tests/auto/test_fit_dims.py."""
     from atorch.auto.environment import DeviceContext
     from atorch.auto.plan import plan_strategy
 
     strategy, notes = plan_strategy(Strategy(["parallel_mode", "tensor_parallel"]),
                                     DeviceContext(2, 2, torch.device("cpu"), None, 2**30))
-    assert strategy.opt_names == ["parallel_mode"]
-    assert any("no 'tensor' dim" in n for n in notes)
+    assert strategy.opt_names == ["parallel_mode", "tensor_parallel"]
+    assert strategy.get("parallel_mode").dims == [("tensor", 2), ("data", 1)]
+    assert any("no 'tensor' dim; chose tensor=2" in n and n.warning for n in notes)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "bert"])

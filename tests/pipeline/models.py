@@ -117,7 +117,7 @@ def train_chain(load_strategy, steps: int = STEPS, **kwargs) -> dict:
         result.optim.step()
         result.optim.zero_grad()
         losses.append(float(loss))
-    return {"losses": losses, "strategy": strategy.to_json(), "args": dict(result.args)}
+    return {"losses": losses, "strategy": strategy.to_json(), "args": dict(result.args), "notes": list(result.notes)}
 
 
 def four_rank_runs():
