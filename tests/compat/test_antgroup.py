@@ -266,15 +266,6 @@ def test_amp_optimizer_has_atorch_grad_scaler_and_step_was_skipped():
         assert optim.skipped_steps == sum(skipped)
 
 
-def test_half_bf16_returns_the_plain_optimizer_as_atorch_does():
-    """ATorch's half casts the model (and inputs) and builds the user's optimizer on it: no wrapper."""
-    status, result, _ = atorch.auto_accelerate(
-        Net(), torch.optim.SGD, Rows(), _loss, optim_args={"lr": LR}, dataloader_args={"batch_size": 8},
-        model_input_format="unpack_dict", load_strategy=[("half", "bf16", False)])
-    assert status and type(result.optim) is torch.optim.SGD
-    assert {p.dtype for group in result.optim.param_groups for p in group["params"]} == {torch.bfloat16}
-
-
 def test_atorchs_module_path_imports_unchanged():
     import atorch.compat.antgroup.distributed as compat
     from atorch.distributed.distributed import create_parallel_group, init_distributed, parallel_rank

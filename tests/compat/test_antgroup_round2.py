@@ -6,13 +6,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 from atorch.compat import antgroup as atorch
 from atorch.compat.antgroup import distributed as atd
 from atorch.compat.antgroup.amp import BF16GradScaler
 from atorch.compat.antgroup.layers import ColumnParallelLinear, RowParallelLinear
 from atorch.errors import NotSupportedError
-from tests.compat.test_antgroup import LR, Net, Rows, _loss
+from tests.compat.test_antgroup import LR, Block, Net, Rows, _loss
 from tests.helpers.dist import run_distributed
 
 
@@ -69,6 +70,21 @@ def _round2() -> dict:
     out["mlp"] = {"hidden": hidden.detach(), "y": y.detach(), "up_grad": up.weight.grad, "down_grad": down.weight.grad,
                   "up_bias": up.bias.detach()}
     atd.destroy_parallel_group()
+    # item 7: ATorch's FSDP1 count of wrapped blocks, written for FSDP2 (docs/migrating.md)
+    _, fsdp, _ = atorch.auto_accelerate(
+        Net(), torch.optim.SGD, Rows(), _loss, optim_args={"lr": LR}, dataloader_args={"batch_size": 8},
+        model_input_format="unpack_dict", load_strategy=[("fsdp", {"atorch_wrap_cls": (Block,)}, False)])
+    out["fsdp_units"] = (sum(isinstance(m, FSDPModule) and isinstance(m, Block) for m in fsdp.model.modules()),
+                         sum(isinstance(m, FSDPModule) for m in fsdp.model.modules()))
+    atd.destroy_parallel_group()
+    # item 6: half bf16 with zero1: ATorch wraps its sharded optimizer, atorch's zero1 cannot be
+    try:
+        atorch.auto_accelerate(Net(), torch.optim.SGD, Rows(), _loss, optim_args={"lr": LR},
+                               dataloader_args={"batch_size": 8}, model_input_format="unpack_dict",
+                               load_strategy=[("half", "bf16"), "zero1"])
+    except NotSupportedError as error:
+        out["zero1"] = str(error)
+    atd.destroy_parallel_group()
     return out
 
 
@@ -89,6 +105,8 @@ def test_atorch_round2_on_2_ranks_matches_one_process():
         assert (mlp["up_grad"] - up.weight.grad[part]).abs().max().item() <= 1e-5 * up.weight.grad.abs().max().item()
         assert (mlp["down_grad"] - down.weight.grad[:, part]).abs().max().item() <= 1e-5 * down.weight.grad.abs().max()
         assert torch.equal(mlp["up_bias"], torch.zeros(8))  # ATorch starts biases at zero
+        assert "master weights" in result.get("zero1", ""), result.get("zero1")
+        assert result["fsdp_units"] == (2, 3)  # the two blocks, and the root
 
 
 def test_bf16_without_skip_if_nonfinite_leaves_the_optimizer_unwrapped():
@@ -123,3 +141,45 @@ def test_is_coworker_and_what_atorch_layers_refuse():
     linear = torch.nn.Linear(4, 6)
     layer = ColumnParallelLinear(orig_module=linear)  # one rank: the whole nn.Linear
     assert torch.equal(layer.weight, linear.weight) and torch.equal(layer.bias, linear.bias)
+
+
+def _half_bf16_serial(master_weights: bool) -> list:
+    """("half", "bf16") by hand: the model and inputs in bf16, SGD on fp32 masters (ATorch's
+    BF16Optimizer) or on the bf16 parameters themselves."""
+    torch.manual_seed(0)
+    model, data = Net().to(torch.bfloat16), Rows()
+    params = list(model.parameters())
+    masters = [p.detach().float() for p in params]
+    for step in range(3):
+        batch = data[step * 8:(step + 1) * 8]
+        loss = _loss(batch, model(batch["x"].to(torch.bfloat16)))
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            for param, master, grad in zip(params, masters, grads):
+                if master_weights:
+                    master -= LR * grad.float()
+                    param.copy_(master)
+                else:
+                    param -= LR * grad
+    return [p.detach().clone() for p in params]
+
+
+def test_half_bf16_keeps_fp32_master_weights_as_atorch_does():
+    """Before: plain SGD over the bf16 parameters, while ATorch wraps it in a BF16Optimizer."""
+    torch.manual_seed(0)
+    status, result, _ = atorch.auto_accelerate(
+        Net(), torch.optim.SGD, Rows(), _loss, optim_args={"lr": LR}, dataloader_args={"batch_size": 8, "shuffle": False},
+        model_input_format="unpack_dict", load_strategy=[("half", "bf16", False)])
+    optim = result.optim
+    assert status and type(optim).__name__ == "BF16Optimizer"
+    assert {p.dtype for p in optim.master_params} == {torch.float32}
+    for _, batch in zip(range(3), result.dataloader):
+        batch = result.prepare_input(batch, atorch.device())
+        optim.zero_grad()
+        result.loss_func(batch, result.model(**batch)).backward()
+        optim.step()
+    got = [p.detach() for p in result.model.parameters()]
+    want, plain = _half_bf16_serial(True), _half_bf16_serial(False)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    # control: without master weights the bf16 weights come out different
+    assert max((w.float() - p.float()).abs().max().item() for w, p in zip(want, plain)) > 0

@@ -11,6 +11,7 @@ What differs and what is refused: docs/migrating.md.
 """
 
 from atorch.compat.antgroup.auto import auto_accelerate
+from atorch.compat.antgroup.bf16_optimizer import BF16Optimizer
 from atorch.compat.antgroup.distributed import (
     coworker_size,
     create_parallel_group,
@@ -30,6 +31,7 @@ from atorch.compat.antgroup.strategy_io import get_strategy, read_pickled_strate
 from atorch.distributed.env import device
 
 __all__ = [
+    "BF16Optimizer",
     "auto_accelerate",
     "coworker_size",
     "create_parallel_group",

@@ -15,6 +15,9 @@ The arguments are ATorch's; what ATorch took in ``**kwargs`` and atorch does not
 - The amp optimizer (``amp_native``) is ATorch's: ``grad_scaler`` and ``step_was_skipped`` (a
   BF16GradScaler under bf16 with ``skip_if_nonfinite``), the unwrapped optimizer under bf16
   without it (:mod:`atorch.compat.antgroup.amp`).
+- ``("half", "bf16")`` without fsdp/zero2/ds_3d_parallel: the optimizer is wrapped in a
+  :class:`~atorch.compat.antgroup.bf16_optimizer.BF16Optimizer` (fp32 master weights), as in
+  ATorch; with zero1 it is refused (ATorch wraps its sharded optimizer, atorch's cannot be).
 """
 
 from typing import Any
@@ -24,8 +27,9 @@ import torch
 from atorch.amp.optimizer import AmpOptimizer
 from atorch.auto import auto_accelerate as _auto_accelerate
 from atorch.compat.antgroup.amp import atorch_amp_optimizer
+from atorch.compat.antgroup.bf16_optimizer import BF16Optimizer
 from atorch.compat.antgroup.strategy_io import to_strategy
-from atorch.errors import AtorchConfigError
+from atorch.errors import AtorchConfigError, NotSupportedError
 
 
 class _SampleBatchDataset(torch.utils.data.Dataset):
@@ -92,4 +96,25 @@ def auto_accelerate(model, optim_func=None, dataset=None, loss_func=None, prepar
         result = result._replace(dataloader=None)  # the sample only fed the dry runs
     if status and isinstance(result.optim, AmpOptimizer):
         result = result._replace(optim=atorch_amp_optimizer(result.optim))
+    if status and _bf16_master_weights(strategy, result.optim):
+        result = result._replace(optim=BF16Optimizer(result.optim))
     return status, result, strategy
+
+
+# methods under which ATorch does not wrap a half-bf16 optimizer (they keep their own precision)
+_OWN_PRECISION = ("fsdp", "zero2", "ds_3d_parallel")
+
+
+def _bf16_master_weights(strategy, optim) -> bool:
+    """ATorch wraps the optimizer in a BF16Optimizer under ("half", "bf16") without fsdp/ZeRO."""
+    half = strategy.get("half") if strategy is not None else None
+    if half is None or half.dtype != torch.bfloat16 or optim is None:
+        return False
+    if any(name in strategy for name in _OWN_PRECISION):
+        return False
+    if "zero1" in strategy:
+        raise NotSupportedError(
+            "half (bf16) with zero1: ATorch keeps fp32 master weights here (BF16Optimizer over its sharded "
+            "optimizer); atorch's zero1 cannot hold them. Use amp_native with bf16 (fp32 weights, bf16 compute) "
+            "with zero1, or fsdp with half")
+    return isinstance(optim, torch.optim.Optimizer)
