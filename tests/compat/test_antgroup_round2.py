@@ -183,3 +183,26 @@ def test_half_bf16_keeps_fp32_master_weights_as_atorch_does():
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     # control: without master weights the bf16 weights come out different
     assert max((w.float() - p.float()).abs().max().item() for w, p in zip(want, plain)) > 0
+
+
+def test_atorch_load_save_strategy_round_trips(tmp_path):
+    """ATorch's test_load_save_strategy with `from atorch.compat.antgroup import Strategy, ...`
+    (before: atorch's Strategy refused (name, config, tunable) items, and a pickle of it was refused)."""
+    import pickle
+
+    from tests.compat.test_antgroup import atorch_pickle
+
+    strategy = atorch.Strategy([("parallel_mode", ([("data", 2)], None), False), ("amp_native", None, False)])
+    filename = str(tmp_path / "strategy.st")
+    atorch.save_strategy(strategy, filename)
+    assert open(filename).read().lstrip().startswith("{")  # JSON, never a pickle
+    status, loaded = atorch.get_strategy(filename)
+    assert status and loaded == strategy
+    status, loaded = atorch.get_strategy(pickle.dumps(strategy))  # read by the restricted unpickler
+    assert status and loaded == strategy
+    assert atorch.get_strategy("_bad_filename.st") == (False, None)
+    assert len(strategy.convert_strategy_to_easydl_format()) == 2
+    # bytes in ATorch's own format (a pickled atorch.auto.strategy.Strategy) load equal too
+    assert atorch.get_strategy(atorch_pickle(strategy.opt_list)) == (True, strategy.to_atorch())
+    assert strategy != atorch.Strategy([("parallel_mode", ([("data", 2)], None), False)])  # control
+    assert strategy.opt_names() == ["parallel_mode", "amp_native"] and not strategy.is_tunable()

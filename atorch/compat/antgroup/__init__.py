@@ -27,11 +27,13 @@ from atorch.compat.antgroup.distributed import (
     reset_distributed,
     world_size,
 )
+from atorch.compat.antgroup.strategy import Strategy
 from atorch.compat.antgroup.strategy_io import get_strategy, read_pickled_strategy, save_strategy
 from atorch.distributed.env import device
 
 __all__ = [
     "BF16Optimizer",
+    "Strategy",
     "auto_accelerate",
     "coworker_size",
     "create_parallel_group",

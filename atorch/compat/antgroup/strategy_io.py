@@ -20,6 +20,7 @@ import torch
 
 from atorch.auto.strategy import Strategy, parse_strategy
 from atorch.compat.antgroup.distributed import atorch_dims
+from atorch.compat.antgroup.strategy import Strategy as ATorchStrategy
 from atorch.errors import AtorchConfigError, NotSupportedError, StrategyFileError
 from atorch.utils.log import logger
 
@@ -51,8 +52,8 @@ class _PlainData(pickle._Unpickler):  # the Python implementation: its opcodes c
     dispatch = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str):
-        if (module, name) == ("atorch.auto.strategy", "Strategy"):
-            return _ATorchStrategy
+        if (module, name) in (("atorch.auto.strategy", "Strategy"), ("atorch.compat.antgroup.strategy", "Strategy")):
+            return _ATorchStrategy  # ATorch's pickled record, or this front's (the same state: opt_list)
         if (module, name) in (("copyreg", "_reconstructor"), ("copy_reg", "_reconstructor")):
             return _reconstructor
         if (module, name) in _CONTAINERS:
@@ -219,6 +220,8 @@ def to_strategy(load_strategy: Any) -> Strategy:
     """Any ATorch ``load_strategy`` form as atorch's Strategy (raises on a bad one)."""
     if isinstance(load_strategy, Strategy):
         return Strategy(load_strategy.items(), load_strategy.description)
+    if isinstance(load_strategy, ATorchStrategy):
+        return load_strategy.to_atorch()
     if isinstance(load_strategy, (list, tuple)):
         return Strategy(atorch_items(load_strategy))
     if isinstance(load_strategy, bytes):
