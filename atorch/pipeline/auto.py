@@ -25,6 +25,9 @@ class PipelineFields(MethodConfig):
     virtual_pipeline_size: int = Field(default=1, ge=1, description="stages per pipeline rank (interleaved schedules)")
     pipeline_cuts: list[str] | None = Field(
         default=None, description="names of the last module of every stage but the last; None: auto-partition")
+    input_names: list[str] | None = Field(
+        default=None, description="forward arguments the first stage takes (a traced model; the others go to the "
+        "loss); None: every tensor of the batch that the forward takes")
 
 
 def check_fields(config: PipelineFields) -> None:
@@ -54,7 +57,7 @@ def pipeline_model(ctx: ModelContext, config: PipelineFields, method: str, stage
             f"{ctx.model_input_format!r} is not supported, use 'unpack_dict' (or None with dict batches)")
     ctx.model = PipelineModel(
         ctx.model, num_microbatches=config.num_microbatches, virtual_pipeline_size=config.virtual_pipeline_size,
-        pipeline_cuts=config.pipeline_cuts, auto_partition=config.pipeline_cuts is None,
+        pipeline_cuts=config.pipeline_cuts, auto_partition=config.pipeline_cuts is None, input_names=config.input_names,
         broadcast_and_average_loss=True, schedule=config.schedule, loss_fn=pipeline_loss(ctx.loss_func),
         topology=ctx.topology, stage_transform=stage_transform, device=ctx.device,
     )

@@ -64,6 +64,7 @@ class DeepSpeedPipelineCall(torch.nn.Module):
         if len(args) == 1 and isinstance(args[0], dict) and not batch:
             batch = args[0]
         layout = self._layout[0]
+        batch = layout.prepare_batch(batch)
         layout.check_kwargs(list(batch))
         inputs = layout.inputs or list(batch)[:1]
         layout.targets = [k for k in batch if k not in inputs]

@@ -54,6 +54,10 @@ class Layout:
         """What the whole model's forward would return, from the last stage's output."""
         return stage_output
 
+    def prepare_batch(self, batch: dict) -> dict:
+        """The batch this layout runs (the traced layout learns its inputs from it here)."""
+        return batch
+
     def check_kwargs(self, names: list[str]) -> None:
         """Raise for forward kwargs this layout cannot honour (on every rank, before the schedule
         starts, so no rank is left waiting for one that failed)."""
@@ -147,12 +151,20 @@ class DecoderLMLayout(Layout):
         return {"attention_mask": mask, "position_ids": position_ids,
                 "position_embeddings": base.rotary_emb(hidden, position_ids=position_ids)}
 
+    def prepare_batch(self, batch):
+        mask = batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and bool((mask == 1).all()):
+            # no padding: the causal mask each stage builds is the same
+            batch = {k: v for k, v in batch.items() if k != "attention_mask"}
+        return batch
+
     def check_kwargs(self, names):
         unknown = sorted(set(names) - {"input_ids", "labels"})
         if unknown:
             raise NotSupportedError(
-                f"PipelineModel runs decoder LMs on input_ids and labels only; {unknown} are not passed between "
-                "stages (a padding attention_mask or custom position_ids would be ignored); drop them"
+                f"PipelineModel runs Llama-style decoder LMs on input_ids and labels only; {unknown} are not passed "
+                "between stages (a padding attention_mask, with zeros, or custom position_ids would be ignored); "
+                "drop them, or pack sequences without padding (an attention_mask of ones is accepted)"
             )
 
     def model_output(self, stage_output, targets):

@@ -102,6 +102,8 @@ class PipelineModel(nn.Module):
         self.has_last = self.num_stages - 1 in self.local_stage_ids
         self._sync_tied(weights=True)
         self._microbatches: list[dict] = []
+        self._failed: str | None = None  # why a step failed inside the schedule (the model cannot run again)
+        self._in_schedule = False
         self._traced_runs: dict = {}  # input shapes -> (stages, schedule), for a traced model
         if self.traced:  # stages are built from the trace (on these parameters), at the first call
             _mark_shards(self.local_parameters(), self.topology)
@@ -127,9 +129,10 @@ class PipelineModel(nn.Module):
     def _traced_schedule(self, microbatch: dict):
         """The stages and schedule for this microbatch's input shapes (traced once per shape)."""
         inputs = tuple(microbatch[name] for name in self.layout.inputs)
-        key = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in inputs)
+        key = (tuple(self.layout.inputs),
+               *((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in inputs))
         if key not in self._traced_runs:
-            pipe = self.layout.trace(inputs, self.stage_units)
+            pipe = self.layout.trace(inputs, self.stage_units, adjacent=len(self.local_stage_ids) > 1)
             stages = []
             for index in self.local_stage_ids:
                 stage_module = self.layout.bind(pipe, index, self.stage_units, self.device)
@@ -139,8 +142,9 @@ class PipelineModel(nn.Module):
                 for stage in stages:
                     deallocate_after_send(stage)
             schedule = build_schedule(self.schedule_name, stages, self.num_microbatches, self._microbatch_loss)
-            self._traced_runs[key] = (stages, schedule)
-        self.stages, self._schedule = self._traced_runs[key]
+            self._traced_runs[key] = (stages, schedule, self.layout.out)
+        # each trace has its own output map (labels traced or not change what the last stage returns)
+        self.stages, self._schedule, self.layout.out = self._traced_runs[key]
 
     def _partition(self, module, cuts, auto, layers) -> list[list[str]]:
         units = self.layout.units
@@ -238,6 +242,22 @@ class PipelineModel(nn.Module):
         return self._run(kwargs, train=False)
 
     def _run(self, kwargs, train: bool):
+        if self._failed is not None:
+            raise MethodConfigError(
+                f"a previous step of this PipelineModel failed inside its schedule ({self._failed}); its ranks are "
+                "out of step (a peer may still wait for a message of that step), so it cannot run again: fix the "
+                "cause, then build a new PipelineModel in a new process group (restart the job)")
+        try:
+            return self._run_step(kwargs, train)
+        except Exception as error:
+            if self._in_schedule:
+                self._failed = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+            raise
+        finally:
+            self._in_schedule = False
+
+    def _run_step(self, kwargs, train: bool):
+        kwargs = self.layout.prepare_batch(kwargs)
         self.layout.check_kwargs(list(kwargs))
         inputs = self.layout.inputs or list(kwargs)[:1]
         missing = [name for name in inputs if name not in kwargs]
@@ -251,6 +271,7 @@ class PipelineModel(nn.Module):
         losses: list = []
         run = self._schedule.step if train else self._schedule.eval
         extra = {"return_outputs": False} if train else {}
+        self._in_schedule = True  # from here a failure leaves the ranks out of step
         run(*args, target=target, losses=losses, **extra)
         self._microbatches = []
         if train:

@@ -17,9 +17,13 @@ Models with no registered layout (see :mod:`atorch.pipeline.layouts`) are split 
   that stops on a tensor's value) and ops with no meta kernel. The error names the line; the fix
   is cut points on modules with a layout adapter (:func:`atorch.pipeline.register_layout`), or
   a forward without the data-dependent branch.
-- **The loss** is computed outside the trace, on the last stage: only ``input_names`` enter the
-  first stage, and the other keyword arguments go to ``loss_fn`` (or, for a Hugging Face model
-  given ``labels``, to the model's own ``loss_function``).
+- **The inputs** are the batch's tensors that the forward takes (``input_ids``,
+  ``attention_mask``, ``labels``, ...), or ``input_names`` where given. Each enters the first
+  stage and is sent on to the stages that use it, so a padding mask reaches every layer and a
+  forward that returns its loss computes it on the last stage.
+- **The loss**: the model's own (from traced labels), or ``loss_fn`` with the batch; keyword
+  arguments left out of ``input_names`` go to ``loss_fn`` (or, for a Hugging Face model given
+  ``labels``, to the model's own ``loss_function``).
 """
 
 import copy
@@ -34,6 +38,7 @@ from torch.utils import _pytree as pytree
 
 from atorch.errors import MethodConfigError, NotSupportedError
 from atorch.pipeline.layouts import Layout
+from atorch.pipeline.relay import relay_skipping_values
 
 # Keyword arguments given to the traced forward when it takes them: no KV cache in training.
 _TRACE_FLAGS = {"use_cache": False}
@@ -58,10 +63,22 @@ class TracedLayout(Layout):
         units = _units(model, "", layers, self.leaf_cls)
         layer_units = [u for u in units if id(model.get_submodule(u)) in layers] or list(units)
         super().__init__(model, units, layer_units, list(input_names or [_default_input(model)]))
+        self.named_inputs = list(input_names) if input_names else None
         signature = inspect.signature(model.forward).parameters
         self.flags = {k: v for k, v in _TRACE_FLAGS.items() if k in signature}
         self.forward_args = [n for n, p in signature.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
         self.out: _OutputMap | None = None
+
+    def prepare_batch(self, batch: dict) -> dict:
+        """Without ``input_names``, every tensor of the batch that the forward takes (in the
+        forward's order, labels included) is a traced input: it enters the first stage and is
+        handed to the stages that use it, and a forward that computes its loss from labels does so
+        on the last stage."""
+        if self.named_inputs is None:
+            found = [n for n in self.forward_args if isinstance(batch.get(n), torch.Tensor)]
+            if found:
+                self.inputs = found
+        return batch
 
     def stage_module(self, names, is_first, is_last):
         raise NotSupportedError("a traced model's stages are programs cut from its trace; see atorch.pipeline.traced")
@@ -82,15 +99,16 @@ class TracedLayout(Layout):
         output = self.out.rebuild(stage_output)
         labels = targets.get("labels")
         if labels is not None and hasattr(self.model, "loss_function") and hasattr(output, "logits"):
-            # Hugging Face models compute their loss from labels inside forward; labels are not traced.
-            loss = self.model.loss_function(logits=output.logits, labels=labels,
-                                            vocab_size=self.model.config.vocab_size)
+            # input_names left labels out of the trace: the Hugging Face model's loss, computed here
+            loss = _hf_loss(self.model, output.logits, labels)
             output = type(output)(**{"loss": loss, **{k: v for k, v in output.items() if k != "loss"}})
         return output
 
-    def trace(self, inputs: tuple[torch.Tensor, ...], stage_units: list[list[str]]):
+    def trace(self, inputs: tuple[torch.Tensor, ...], stage_units: list[list[str]], adjacent: bool = False):
         """The ``Pipe`` of the model cut after the last unit of every stage but the last, traced on
-        the meta device with microbatch ``inputs`` (real or meta: only their shapes are used)."""
+        the meta device with microbatch ``inputs`` (real or meta: only their shapes are used).
+        ``adjacent``: values that skip stages are handed on by each stage in between (schedules
+        with several stages per rank exchange values between neighbours only)."""
         from torch.distributed.pipelining import SplitPoint, pipeline
 
         copy_ = _meta_copy(self.model)
@@ -107,6 +125,8 @@ class TracedLayout(Layout):
                 f"{list(split_spec)}, not {len(stage_units)}: a cut module runs more or less than once, or out of the "
                 "order the modules are registered in; pick cuts on modules the forward runs once, in order")
         self._check_order(pipe, copy_, stage_units)
+        if adjacent:
+            relay_skipping_values(pipe)
         for index in range(pipe.num_stages):
             _contiguous_boundaries(pipe.get_stage_module(index))
         try:  # the stages' programs, run in turn on meta tensors: what the ranks will run, without memory
@@ -188,11 +208,25 @@ class _Capture(nn.Module):
         self.seen = _outside({})
 
     def forward(self, *inputs):
+        # A copy made before the first unit puts every input in the first stage's program: torch's
+        # traced stages hand the model's inputs to the first stage only, and a later stage that
+        # uses one (a mask, the labels of a forward that returns its loss) receives it from there.
+        inputs = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in inputs)
         output = self.model(**dict(zip(self.names, inputs)), **self.flags)
         leaves, spec = pytree.tree_flatten(output)
         self.seen()["spec"] = spec
         self.seen()["leaves"] = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+
+
+def _hf_loss(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face model's ``loss_function`` called with the arguments its signature names
+    (language models take ``logits`` and ``vocab_size``, classifiers ``pooled_logits`` and ``config``)."""
+    function = model.loss_function
+    offered = {"logits": logits, "pooled_logits": logits, "labels": labels, "config": model.config,
+               "vocab_size": getattr(model.config, "vocab_size", None)}
+    named = inspect.signature(function).parameters
+    return function(**{k: v for k, v in offered.items() if k in named})
 
 
 def _outside(value):

@@ -1,0 +1,156 @@
+"""Pipelines take the batch the model takes: a tokenizer's batch with a padding attention_mask
+(GPT-2, BERT masked LM, BERT sequence classification) and a model whose forward takes ``(x, y)``
+and returns its loss (NxD's contract), against the serial model (fp32, 1e-5); a step that fails
+inside the schedule leaves a model that raises again at once instead of hanging."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.helpers.dist import run_distributed
+
+MICRO = 2
+
+
+def _hf(kind: str) -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    bert = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    if kind == "bert-mlm":
+        return BertForMaskedLM(BertConfig(**bert))
+    if kind == "bert-cls":
+        return BertForSequenceClassification(BertConfig(**bert, num_labels=3))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+def _tokenized(kind: str) -> dict:
+    """What a tokenizer with padding gives: two of the four sequences padded."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 64, (4, 8), generator=gen)
+    mask = torch.ones(4, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    mask[3, 3:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = torch.randint(0, 3, (4,), generator=gen) if kind == "bert-cls" else ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class LossNet(nn.Module):
+    """NxD's contract: a ModuleList of blocks, ``forward(x, y)`` returning the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(_Block() for _ in range(4))
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return nn.functional.cross_entropy(self.out(h), y)
+
+
+def _xy() -> dict:
+    gen = torch.Generator().manual_seed(2)
+    return {"x": torch.randn(8, 4, generator=gen), "y": torch.randint(0, 3, (8,), generator=gen)}
+
+
+def _serial(model: nn.Module, batch: dict, micro: int) -> tuple[float, dict]:
+    """The mean microbatch loss and the gradients, as the pipeline computes them."""
+    size = next(iter(batch.values())).shape[0] // micro
+    total = 0.0
+    for i in range(micro):
+        part = {k: v[i * size:(i + 1) * size] for k, v in batch.items()}
+        out = model(**part)
+        loss = (out if isinstance(out, torch.Tensor) else out.loss) / micro
+        loss.backward()
+        total += loss.item()
+    return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _compare(build, batch: dict, micro: int, **pipeline) -> dict:
+    from atorch.pipeline import PipelineModel
+
+    ref_loss, ref_grads = _serial(build(), batch, micro)
+    model = PipelineModel(build(), num_microbatches=micro, broadcast_and_average_loss=True, **pipeline)
+    loss = float(model.run_train(**batch))
+    grads = [(ref_grads[n] - p.grad).abs().max().item() for n, p in model.local_named_parameters()
+             if p.grad is not None and n in ref_grads]
+    return {"loss": abs(loss - ref_loss) / abs(ref_loss), "grad": max(grads), "grads": len(grads)}
+
+
+def _all_batches() -> dict:
+    out = {}
+    for kind in ("gpt2", "bert-mlm", "bert-cls"):
+        out[kind] = _compare(lambda kind=kind: _hf(kind), _tokenized(kind), MICRO, auto_partition=True)
+    for schedule, virtual in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2)):
+        for cuts in (None, ["blocks.1"] if virtual == 1 else ["inp", "blocks.1", "blocks.3"]):
+            split = {"pipeline_cuts": cuts} if cuts else {"auto_partition": True}
+            torch.manual_seed(0)
+            out[("loss net", schedule, bool(cuts))] = _compare(
+                lambda: (torch.manual_seed(0), LossNet())[1], _xy(), 4, input_names=["x", "y"], schedule=schedule,
+                virtual_pipeline_size=virtual, **split)
+    return out
+
+
+def test_tokenized_batches_and_loss_returning_models_through_two_stages():
+    for rank, result in enumerate(run_distributed(_all_batches, 2)):
+        for case, diffs in result.items():
+            assert diffs["grads"] > 0, (rank, case)
+            assert diffs["loss"] <= 1e-5 and diffs["grad"] <= 1e-5, (rank, case, diffs)
+
+
+class _Fails(nn.Module):
+    armed = False
+
+    def forward(self, x):
+        if _Fails.armed:
+            raise RuntimeError("a data loader handed this stage a broken batch")
+        return x
+
+
+def _fail_then_call_again() -> list:
+    from atorch.distributed.topology import Topology, collective_timeout
+    from atorch.errors import MethodConfigError
+    from atorch.pipeline import PipelineModel
+
+    with collective_timeout(3.0):  # the last stage waits for a message the first will never send
+        topology = Topology.build([("pipeline", 2)])
+    torch.manual_seed(0)
+    model = PipelineModel(nn.Sequential(_Fails(), nn.Linear(4, 4), nn.Linear(4, 1)), pipeline_cuts=["1"], num_microbatches=2,
+                          loss_fn=lambda batch, out: out.pow(2).mean(), topology=topology)
+    _Fails.armed = dist.get_rank() == 0
+    seen = []
+    for _ in range(2):
+        start = time.monotonic()
+        try:
+            model.run_train(input=torch.randn(4, 4))
+            seen.append(("no error", 0.0))
+        except MethodConfigError as error:
+            seen.append(("refused", time.monotonic() - start, "previous step" in str(error)))
+        except Exception as error:  # the first failure itself: the stage's error, or the peer's timeout
+            seen.append((type(error).__name__, time.monotonic() - start))
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_step_raises_again_instead_of_hanging():
+    for rank, seen in enumerate(run_distributed(_fail_then_call_again, 2, timeout_s=90)):
+        assert seen[0][0] not in ("no error", "refused"), (rank, seen)
+        assert seen[1][0] == "refused" and seen[1][2] and seen[1][1] < 1.0, (rank, seen)
