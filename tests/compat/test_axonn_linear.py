@@ -125,15 +125,15 @@ def _all(names) -> dict:
 
 def test_axonn_default_linear_on_a_2x2_grid():
     """The default run's subset: row 2 x column 2 (both regroupings at once)."""
-    _check(run_distributed(_all, 4, ["2x2x1"]))
+    _assert_matches(run_distributed(_all, 4, ["2x2x1"]))
 
 
 @pytest.mark.slow
 def test_axonn_default_linear_takes_each_ranks_own_samples_on_4_ranks():
-    _check(run_distributed(_all, 4, list(GRIDS)))
+    _assert_matches(run_distributed(_all, 4, list(GRIDS)))
 
 
-def _check(results: list) -> None:
+def _assert_matches(results: list) -> None:
     for rank, result in enumerate(results):
         for key, value in result.items():
             if key in ("refused", "refused column"):

@@ -109,7 +109,7 @@ def _all_batches(full: bool) -> dict:
     return out
 
 
-def _check(results: list) -> None:
+def _assert_equal_to_serial(results: list) -> None:
     for rank, result in enumerate(results):
         for case, diffs in result.items():
             assert diffs["grads"] > 0, (rank, case)
@@ -119,12 +119,12 @@ def _check(results: list) -> None:
 def test_padded_classifier_batch_and_loss_returning_model_interleaved():
     """The default run's subset: BERT sequence classification on a padded batch, and the (x, y)
     model under the interleaved schedule (values relayed stage by stage)."""
-    _check(run_distributed(_all_batches, 2, False))
+    _assert_equal_to_serial(run_distributed(_all_batches, 2, False))
 
 
 @pytest.mark.slow
 def test_tokenized_batches_and_loss_returning_models_through_two_stages():
-    _check(run_distributed(_all_batches, 2, True))
+    _assert_equal_to_serial(run_distributed(_all_batches, 2, True))
 
 
 class _Fails(nn.Module):
