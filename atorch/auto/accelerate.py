@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from atorch.auto import loop
-from atorch.auto.context import ModelContext, move_to_device
+from atorch.auto.context import ModelContext, check_input_format, move_to_device
 from atorch.auto.environment import DeviceContext
 from atorch.auto.fit_dims import FitJob
 from atorch.auto.inputs import check_job
@@ -136,6 +136,7 @@ def auto_accelerate(
     verbose = bool(kwargs.get("verbose", False))
     accumulation = loop.accumulation_steps(kwargs.get("gradient_accumulation_steps", 1))
     check_job(model, dataset, dataloader_args, optim_func)
+    check_input_format(model_input_format)
     device_ctx = DeviceContext.detect()
     job = dict(
         optim_func=optim_func,

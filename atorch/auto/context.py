@@ -12,6 +12,7 @@ import torch
 
 from atorch.auto.environment import DeviceContext
 from atorch.distributed.topology import Topology
+from atorch.errors import AtorchConfigError
 
 
 def map_tensors(data: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -33,11 +34,26 @@ def move_to_device(data: Any, device: torch.device) -> Any:
     return map_tensors(data, lambda t: t.to(device, non_blocking=True))
 
 
+# How a batch feeds the model (see run_model).
+MODEL_INPUT_FORMATS = (None, "unpack_sequence", "unpack_dict", "input_target")
+
+
+def check_input_format(model_input_format: Any) -> None:
+    """Refuse an unknown ``model_input_format`` before anything is built."""
+    if model_input_format not in MODEL_INPUT_FORMATS:
+        raise AtorchConfigError(
+            f"model_input_format {model_input_format!r} is not one of {list(MODEL_INPUT_FORMATS)}: None calls "
+            "model(batch), 'unpack_sequence' model(*batch), 'unpack_dict' model(**batch), 'input_target' "
+            "model(batch[0]) for (input, target) batches")
+
+
 def run_model(model: torch.nn.Module, data: Any, model_input_format: str | None) -> Any:
     """Call ``model`` on one prepared batch the way ``model_input_format`` says.
 
     ``None``: ``model(data)``; ``"unpack_sequence"``: ``model(*data)``; ``"unpack_dict"``:
-    ``model(**data)``.
+    ``model(**data)``; ``"input_target"``: ``model(data[0])`` (plain PyTorch's ``(input,
+    target)`` pairs, e.g. an image dataset; ``loss_func(batch, output)`` reads the target as
+    ``batch[1]``).
     """
     if model_input_format is None:
         return model(data)
@@ -45,9 +61,14 @@ def run_model(model: torch.nn.Module, data: Any, model_input_format: str | None)
         return model(*data)
     if model_input_format == "unpack_dict":
         return model(**data)
-    raise ValueError(
-        f"model_input_format {model_input_format!r} is not one of None, 'unpack_sequence', 'unpack_dict'"
-    )
+    if model_input_format == "input_target":
+        if not isinstance(data, (list, tuple)) or len(data) < 1:
+            raise AtorchConfigError(
+                f"model_input_format 'input_target' takes (input, target) batches; got a {type(data).__name__}: use "
+                "None (model(batch)) or 'unpack_dict' (model(**batch)) for this dataset")
+        return model(data[0])
+    check_input_format(model_input_format)
+    raise AssertionError("unreachable: every format is handled above")
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
