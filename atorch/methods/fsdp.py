@@ -68,7 +68,23 @@ def mixed_precision_from(ctx: ModelContext, param_dtype=None, reduce_dtype=None,
     return fsdp2.mixed_precision(param_dtype, reduce_dtype, output_dtype)
 
 
+def _check_adapters(model: torch.nn.Module, config: FsdpConfig) -> None:
+    """``wrap_trainable_outmost`` needs frozen parameters beside the trainable ones: on a model
+    that trains every parameter (no adapters applied) it would silently run a full fine-tune.
+    Checked when the method is applied, not in ``resolve``: ``atorch validate`` checks a file
+    against a config's model, to which the user's code adds the adapters later."""
+    params = list(model.parameters())
+    if config.wrap_trainable_outmost and params and all(p.requires_grad for p in params):
+        raise MethodConfigError(
+            f"fsdp wrap_trainable_outmost=True (a LoRA strategy, e.g. strategies/lora_fsdp_bf16.json) but every "
+            f"parameter of {type(model).__name__} is trainable: no adapters are applied, so this would be a full "
+            "fine-tune. Apply the adapters first (peft.get_peft_model(model, LoraConfig(...)), which freezes the "
+            "base weights), or for a full fine-tune use strategies/fsdp_bf16_checkpoint.json (or drop "
+            "wrap_trainable_outmost)")
+
+
 def shard(ctx: ModelContext, config: FsdpConfig) -> None:
+    _check_adapters(ctx.model, config)
     units = fsdp2.choose_units(
         ctx.model, config.atorch_wrap_cls, config.atorch_size_based_min_num_params,
         config.atorch_ignored_cls, config.wrap_trainable_outmost,

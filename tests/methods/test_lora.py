@@ -124,3 +124,23 @@ def test_fsdp_trainable_outmost_on_gpt2_lora_shards_blocks_and_adapters_and_says
     assert [name.rsplit(".", 1)[-1] for name in fsdp["atorch_wrap_cls"]] == ["GPT2Block"]
     assert fsdp["wrap_trainable_outmost"] is True
     assert any("6 units (4 x Linear, 2 x GPT2Block)" in line for line in results[0]["log"]), results[0]["log"]
+
+
+def _lora_file_without_adapters() -> str:
+    from atorch.auto import auto_accelerate
+    from atorch.errors import MethodConfigError
+    from tests.helpers.models import TinyTransformer, TokenDataset, lm_loss
+
+    try:
+        auto_accelerate(TinyTransformer(), torch.optim.AdamW, TokenDataset(), lm_loss,
+                        dataloader_args={"batch_size": 8}, model_input_format="unpack_dict",
+                        load_strategy="strategies/lora_fsdp_bf16.json")
+    except MethodConfigError as error:
+        return str(error)
+    return "no error"
+
+
+def test_the_lora_file_refuses_a_model_without_adapters():
+    """Before, it ran a full fine-tune of every parameter without a word."""
+    for message in run_distributed(_lora_file_without_adapters, 2):
+        assert "no adapters are applied" in message and "get_peft_model" in message, message
