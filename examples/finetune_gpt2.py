@@ -88,7 +88,7 @@ def main() -> None:
         if result.sync_gradients:  # the last micro-step of this optimizer step
             atorch.auto.clip_grad_norm(result.model, 1.0)
             step += 1
-            log.step(loss)
+        log.step(loss, stepped=result.sync_gradients)  # every micro-batch's loss; optimizer steps counted
         result.step()
     log.flush()
     if args.ckpt_dir:

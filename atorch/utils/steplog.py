@@ -4,7 +4,8 @@
     for step, batch in enumerate(result.dataloader):
         ...
         result.step()
-        log.step(loss)        # every 10th call, on rank 0: step   10  loss 3.2104  812.4 samples/s  peak 1.2GiB
+        log.step(loss, stepped=result.sync_gradients)   # every 10th optimizer step, on rank 0:
+        # step   10  loss 3.2104  812.4 samples/s  peak 1.2GiB
 
 The loss is the mean over the ranks and over the steps since the last line (one all-reduce per
 line, none between lines); samples/s counts the whole job's samples; peak memory is the largest
@@ -46,13 +47,20 @@ class StepLogger:
         self._count = 0
         self._since = time.perf_counter()
 
-    def step(self, loss: torch.Tensor | float | None = None) -> dict | None:
-        """Count one optimizer step with its loss; every ``every`` steps, log and return the metrics."""
-        self.steps += 1
+    def step(self, loss: torch.Tensor | float | None = None, *, stepped: bool = True) -> dict | None:
+        """Count one optimizer step with its loss; every ``every`` steps, log and return the metrics.
+
+        Under gradient accumulation, call it for every micro-batch with
+        ``stepped=result.sync_gradients``: the micro-batches' losses join the mean, and only the
+        call that completes an accumulation counts a step (so step numbers and samples/s are the
+        optimizer's, not the micro-batches')."""
         if loss is not None:
             value = loss.detach().float().reshape(()) if torch.is_tensor(loss) else torch.tensor(float(loss))
             self._loss_sum = value if self._loss_sum is None else self._loss_sum + value.to(self._loss_sum.device)
             self._count += 1
+        if not stepped:
+            return None
+        self.steps += 1
         if self.steps % self.every:
             return None
         return self.flush()

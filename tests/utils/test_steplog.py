@@ -73,3 +73,26 @@ def test_two_ranks_log_the_mean_loss_and_the_largest_peak():
     assert results[0]["metrics"]["loss"] == pytest.approx(1.5)
     assert results[0]["metrics"]["peak_memory_bytes"] >= max(r["own_peak"] for r in results)
     assert results[1]["own_peak"] > results[0]["own_peak"]
+
+
+def test_under_accumulation_lines_count_optimizer_steps():
+    """gradient_accumulation_steps=2 over 8 micro-batches: 4 optimizer steps, lines at 2 and 4, each
+    line's loss the mean of its 4 micro-batches (the user guide's loop)."""
+    from atorch.auto import auto_accelerate
+
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    _, result, _ = auto_accelerate(torch.nn.Linear(4, 1), torch.optim.SGD, data,
+                                   lambda batch, out: torch.nn.functional.mse_loss(out, batch[1]),
+                                   optim_args={"lr": 0.0}, dataloader_args={"batch_size": 2},
+                                   model_input_format="input_target", gradient_accumulation_steps=2)
+    seen, losses = [], []
+    log = StepLogger(every=2, samples_per_step=4, writers=[lambda metrics, step: seen.append((step, metrics))])
+    for batch in result.dataloader:
+        loss = result.loss_func(batch, result.model(batch[0]))
+        result.backward(loss)
+        result.step()
+        losses.append(loss.item())
+        log.step(loss, stepped=result.sync_gradients)
+    assert [step for step, _ in seen] == [2, 4] and log.steps == 4
+    for (_, metrics), part in zip(seen, (losses[:4], losses[4:])):
+        assert abs(metrics["loss"] - sum(part) / 4) < 1e-6
