@@ -50,12 +50,12 @@ def _words(text):
 
 
 def test_report_table_shows_the_whole_reason_wrapped():
-    table = _report_with_a_long_reason().table()
+    table = _report_with_a_long_reason().table(all_rows=True)
     # Before: cut at 70 characters ("...known error (es").
     assert LONG_REASON in _words(table)
     lines = table.splitlines()
     reason_column = lines[1].index("reason")
-    assert max(len(line) for line in lines) <= reason_column + 72
+    assert max(len(line) for line in lines) <= 120  # before: up to 219 characters
     # The reason continues on the next lines, under its column.
     pruned_row = next(i for i, line in enumerate(lines) if " pruned " in line)
     for continuation in lines[pruned_row + 1:pruned_row + 3]:
@@ -65,6 +65,10 @@ def test_report_table_shows_the_whole_reason_wrapped():
 def test_explain_shows_whole_reasons_and_the_estimate_breakdown(tmp_path, capsys):
     _report_with_a_long_reason().save(tmp_path / "r.json")
     assert main(["explain", str(tmp_path / "r.json")]) == 0
+    short = capsys.readouterr().out  # the pruned candidate grouped by its rule, without its reason
+    assert LONG_REASON not in _words(short) and "pruned, other (1): parallel_mode" in short
+    assert "atorch explain REPORT --all" in short
+    assert main(["explain", str(tmp_path / "r.json"), "--all"]) == 0
     out = capsys.readouterr().out
     assert LONG_REASON in _words(out)
     # The terms the JSON holds, per candidate, in GiB (before: only the peak).

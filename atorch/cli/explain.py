@@ -7,6 +7,8 @@ import json
 def add_parser(sub) -> None:
     explain = sub.add_parser("explain", help="print a search report (table + memory estimates) or explain a strategy file")
     explain.add_argument("file", help="a search report (report_file=...) or a strategy file")
+    explain.add_argument("--all", action="store_true", help="a search report's every candidate, pruned ones "
+                         "included, each with its reason (default: the dry-run ones, the pruned grouped by rule)")
     explain.add_argument("--plot", metavar="IMAGE", help="also draw a search report's estimates against its "
                          "measurements into IMAGE (.png, .svg, .pdf)")
     explain.set_defaults(func=cmd_explain)
@@ -55,7 +57,7 @@ def cmd_explain(args) -> int:
         print(explain_strategy(args.file))
         return 0
     report = SearchReport.load(args.file)
-    print(report.table())
+    print(report.table(all_rows=getattr(args, "all", False)))
     print()
     print(report.breakdown())
     if getattr(args, "plot", None):

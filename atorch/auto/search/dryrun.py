@@ -151,6 +151,7 @@ def _dry_run(pristine, strategy, make_context, apply, warmup_steps, timed_steps,
 
     elapsed = peak = None
     done, late = 0, False
+    step_seconds: list[float] = []  # each timed step's, the slowest rank's clock
     try:
         batches = itertools.cycle(ctx.dataloader) if len(ctx.dataloader) else iter(())
         for _ in range(warmup_steps):
@@ -161,7 +162,9 @@ def _dry_run(pristine, strategy, make_context, apply, warmup_steps, timed_steps,
             done += 1
             # Every rank learns the slowest rank's times, so all stop together.
             now = time.perf_counter()
+            before = elapsed or 0.0
             elapsed, since_start = max_each(now - t0, now - start)
+            step_seconds.append(elapsed - before)
             if elapsed > timeout_s:
                 raise TimeoutError(f"dry run exceeded its timeout of {timeout_s:.0f}s")
             late = stop_after_s is not None and since_start > stop_after_s
@@ -189,6 +192,7 @@ def _dry_run(pristine, strategy, make_context, apply, warmup_steps, timed_steps,
     return {
         "reason": None,
         "throughput": global_batch * done / elapsed,
+        "step_seconds": step_seconds,
         "timed_steps": done,
         "measured_peak_bytes": None if peak is None else int(peak),
         "seconds": time.perf_counter() - start,

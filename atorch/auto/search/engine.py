@@ -27,6 +27,11 @@ from atorch.utils.log import logger, quiet
 
 # Throughputs within this fraction of the best count as a tie, won by the simpler strategy.
 TIE_TOLERANCE = 0.03
+# A candidate whose measured range (its fastest and slowest timed steps) overlaps the best's is
+# tied with it too, if its median is within this fraction of the best's: the readings cannot
+# tell them apart, so a fixed rule (fewer methods, then the faster estimate, then the order the
+# candidates were generated in) decides, and the same job gets the same pick run after run.
+TIE_CAP = 0.10
 # A runner-up measured within this fraction of the best is timed again, and so is the best, in
 # up to RETIME_ROUNDS more fresh dry runs each, alternated runner-up, best, then best, runner-up
 # (a drift of the machine's load weighs on both alike); each keeps the median of its readings,
@@ -152,6 +157,7 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
     rng = torch.get_rng_state()
     probe_ctx = make_context(model)
     global_batch = int(probe_ctx.dataloader_args.get("batch_size", 1))
+    report.global_batch = global_batch
     counts: Counter = Counter()
     ineligible: list = []
     if only is not None:
@@ -346,7 +352,7 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
         if outcome["reason"] is not None:
             result.status, result.reason = FAILED, outcome["reason"]
             continue
-        result.throughput = outcome["throughput"]
+        _record(result, outcome, global_batch)
         if outcome["timed_steps"] < options.timed_steps:
             timed_out = True
             result.reason = f"time_limit: measured over {outcome['timed_steps']} of {options.timed_steps} steps"
@@ -371,7 +377,7 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
             if outcome["reason"] is not None or outcome["timed_steps"] < options.timed_steps:
                 continue  # the readings so far stand
             result.throughputs = [*(result.throughputs or [result.throughput]), outcome["throughput"]]
-            result.throughput = statistics.median(result.throughputs)
+            _record(result, outcome, global_batch)
             peaks = [p for p in (result.measured_peak_bytes, outcome["measured_peak_bytes"]) if p is not None]
             result.measured_peak_bytes = max(peaks) if peaks else None
             _judge(result, options)
@@ -397,6 +403,8 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
             report.note = (f"time_limit of {options.time_limit:g}s reached before any candidate was measured: the "
                            f"simplest strategy estimated to fit is returned unmeasured")
     report.winner = None if winner is None else [r for _, r in results].index(winner[1])
+    if winner is not None:
+        report.tied = [[r for _, r in results].index(r) for r in _tied(results, winner)] or None
     report.search_seconds = time.perf_counter() - start
     if winner is None:
         report.note = _no_winner_note(results, options, timed_out)
@@ -578,11 +586,50 @@ def _settled(close) -> bool:
     return slower < faster * (1 - RETIME_MARGIN)
 
 
+def _record(result, outcome: dict, global_batch: int) -> None:
+    """A dry run's timed steps added to the candidate's readings: its throughput is the median
+    step's, its range the fastest and slowest step's (a slow step, a collector pause, weighs on
+    the range, not on the median)."""
+    steps = [*(result.step_seconds or []), *(t for t in outcome.get("step_seconds") or () if t > 0)]
+    if not steps:
+        result.throughput = outcome["throughput"]
+        return
+    result.step_seconds = steps
+    result.throughput = global_batch / statistics.median(steps)
+    result.throughput_range = [global_batch / max(steps), global_batch / min(steps)]
+
+
+def _ties_with(result, best) -> bool:
+    if result.throughput >= best.throughput * (1 - TIE_TOLERANCE):
+        return True
+    if not (result.throughput_range and best.throughput_range):
+        return False
+    overlap = result.throughput_range[1] >= best.throughput_range[0]
+    return overlap and result.throughput >= best.throughput * (1 - TIE_CAP)
+
+
+def _tie_rule(item) -> tuple:
+    """Fewer methods first, then the faster estimate; the order of generation settles the rest."""
+    strategy, result = item
+    return len(strategy), result.estimated_step_seconds or float("inf")
+
+
+def _tied_set(results) -> list:
+    measured = [(s, r) for s, r in results if r.status == MEASURED and r.throughput]
+    if not measured:
+        return []
+    best = max(measured, key=lambda item: item[1].throughput)[1]
+    return [(s, r) for s, r in measured if _ties_with(r, best)]
+
+
 def _pick_winner(results):
     measured = [(s, r) for s, r in results if r.status == MEASURED]
     if not measured:
         return None
-    best = max(r.throughput for _, r in measured)
-    # Simplest first: candidates are generated in order of size, so the first near-best is simplest.
-    close = [(s, r) for s, r in measured if r.throughput >= best * (1 - TIE_TOLERANCE)]
-    return min(close, key=lambda item: len(item[0]))
+    tied = _tied_set(results) or measured
+    return min(tied, key=_tie_rule)  # min keeps the first of equals: the order of generation
+
+
+def _tied(results, winner) -> list:
+    """The other measured candidates the winner was tied with (it won by the tie rule)."""
+    return [r for s, r in _tied_set(results) if r is not winner[1]]

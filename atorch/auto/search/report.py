@@ -24,6 +24,10 @@ class CandidateResult:
     # each dry run's, when it was timed again over more steps (a close call); throughput is then
     # that of all their timed steps
     throughputs: list[float] | None = None
+    # every timed step's seconds (the slowest rank's), over all its dry runs; the throughput is the
+    # median step's, throughput_range the slowest and fastest step's (samples/s)
+    step_seconds: list[float] | None = None
+    throughput_range: list[float] | None = None
     seconds: float | None = None
     reason: str | None = None
     # How the ranks split, e.g. "tensor=2 x data=2" (None in reports from before layouts were searched).
@@ -53,6 +57,11 @@ class SearchReport:
     # Which rates the step-time estimates used: calibrated on this machine (and where from), or
     # nominal and why (see atorch/auto/search/calibrate.py); None in reports from before.
     rates: str | None = None
+    # Measured candidates the winner was tied with (indexes): their readings could not be told
+    # apart from the best's, and the tie rule (fewer methods, then the estimate) picked the winner.
+    tied: list[int] | None = None
+    # The global batch (samples per step): estimated step times are shown as samples/s with it.
+    global_batch: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,27 +83,33 @@ class SearchReport:
         except (OSError, ValueError, TypeError) as error:
             raise ValueError(f"{path} is not an atorch search report: {error}") from None
 
-    def table(self, reason_width: int = 72) -> str:
-        """One row per candidate: status, throughput, estimated and measured memory, reason.
+    def table(self, width: int = 120, all_rows: bool = False) -> str:
+        """One row per dry-run candidate (and the pick): status, measured and estimated throughput,
+        estimated and measured memory, reason; then the pruned ones grouped by the rule that
+        pruned them (``all_rows``: a row for each of them too). Lines fit ``width`` characters.
 
-        Reasons are shown whole, wrapped at ``reason_width`` characters under their column (a
-        reason is often the one thing that says what to change)."""
-        rows = [("", "strategy", "layout", "status", "samples/s", "est. step", "est. peak", "meas. peak", "reason")]
-        for index in self._display_order():
+        Reasons are shown whole, wrapped under their column (a reason is often the one thing that
+        says what to change)."""
+        rows = [("", "strategy", "layout", "status", "samples/s", "est. samples/s", "est. peak", "meas. peak",
+                 "reason")]
+        shown = [i for i in self._display_order()
+                 if all_rows or self.candidates[i].status != PRUNED or i == self.winner]
+        for index in shown:
             c = self.candidates[index]
             rows.append((
                 "*" if index == self.winner else "",
                 " + ".join(c.names) or "(plain)",
                 c.layout or "-",
                 c.status,
-                f"{c.throughput:.1f}" if c.throughput else "-",
-                f"{c.estimated_step_seconds * 1e3:.2f}ms" if c.estimated_step_seconds else "-",
+                _throughput_text(c),
+                self._estimate_text(c),
                 size_text(c.estimated_peak_bytes),
                 size_text(c.measured_peak_bytes),
                 c.reason or "",
             ))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         indent = " " * (sum(widths) + 2 * len(widths))
+        reason_width = max(24, width - len(indent))
         lines = []
         for row in rows:
             reason = textwrap.wrap(row[-1], reason_width, break_on_hyphens=False) or [""]
@@ -105,7 +120,39 @@ class SearchReport:
                 f"memory budget {size_text(self.memory_budget_bytes)}, {self.search_seconds:.1f}s")
         tail = [self.note] if self.note else []
         rates = [f"step times estimated at {self.rates}"] if self.rates else []
-        return "\n".join([head, *self._counts_line(), *rates, *lines, *tail])
+        legend = ["* the pick; samples/s: the median timed step (slowest-fastest step); est.: the cost model's"]
+        hidden = [] if all_rows else self._pruned_lines(set(shown), width)
+        return "\n".join([head, *self._counts_line(), *rates, *self._tie_line(), *lines, *hidden, *tail, *legend])
+
+    def _pruned_lines(self, shown: set[int], width: int) -> list[str]:
+        """The pruned candidates without a row, grouped by the rule that pruned them, a few named."""
+        groups: dict[str, list[str]] = {}
+        for index, c in enumerate(self.candidates):
+            if c.status == PRUNED and index not in shown:
+                name = (" + ".join(c.names) or "(plain)") + (f" [{c.layout}]" if c.layout else "")
+                groups.setdefault((c.pruned_by or "other").replace("_", " "), []).append(name)
+        lines = []
+        for rule, names in sorted(groups.items(), key=lambda item: -len(item[1])):
+            listed = "; ".join(names[:3]) + ("; ..." if len(names) > 3 else "")
+            lines += textwrap.wrap(f"pruned, {rule} ({len(names)}): {listed}", width, subsequent_indent="    ")
+        if lines:
+            lines.append("every candidate with its reason: atorch explain REPORT --all, or the report's JSON")
+        return lines
+
+    def _estimate_text(self, c: CandidateResult) -> str:
+        if not c.estimated_step_seconds:
+            return "-"
+        if self.global_batch:
+            return f"{self.global_batch / c.estimated_step_seconds:.1f}"
+        return f"{c.estimated_step_seconds * 1e3:.2f}ms/step"
+
+    def _tie_line(self) -> list[str]:
+        if self.winner is None or not self.tied:
+            return []
+        others = ", ".join(" + ".join(self.candidates[i].names) or "(plain)" for i in self.tied)
+        winner = " + ".join(self.candidates[self.winner].names) or "(plain)"
+        return [f"winner {winner}: tied with {others} (their measured step ranges overlap the best's); the tie "
+                "goes to fewer methods, then the faster estimate"]
 
     def _counts_line(self) -> list[str]:
         if self.generated is None:
@@ -138,6 +185,16 @@ def size_text(value: int | None) -> str:
         if value >= factor:
             return f"{value / factor:.1f}{unit}"
     return f"{value}B"
+
+
+def _throughput_text(c: CandidateResult) -> str:
+    """The median step's samples/s, with the slowest and fastest step's when there are several."""
+    if not c.throughput:
+        return "-"
+    low, high = c.throughput_range or (None, None)
+    if low is None or len(c.step_seconds or ()) < 2:
+        return f"{c.throughput:.1f}"
+    return f"{c.throughput:.1f} ({low:.0f}-{high:.0f})"
 
 
 def _term_text(key: str, value) -> str:

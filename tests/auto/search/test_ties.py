@@ -1,0 +1,57 @@
+"""The search's readings and its tie rule: each candidate's throughput is its median timed step's
+(one slow step moves the range, not the pick), and candidates whose measured ranges overlap the
+best's are tied, the tie going to fewer methods, then the faster estimate, so that noisy
+readings give the same pick run after run."""
+
+from atorch.auto.search.engine import _pick_winner, _record, _tied
+from atorch.auto.search.report import MEASURED, CandidateResult, SearchReport
+
+BATCH = 16
+
+
+def _candidate(steps: list[float], methods: int, estimate: float | None = None):
+    result = CandidateResult(strategy={"methods": [{"name": f"m{i}", "config": {}} for i in range(methods)]},
+                             status=MEASURED, estimated_step_seconds=estimate)
+    _record(result, {"throughput": 0.0, "step_seconds": steps}, BATCH)
+    return (tuple(range(methods)), result)
+
+
+def test_the_median_step_decides_and_one_slow_step_only_widens_the_range():
+    _, result = _candidate([0.1, 0.1, 0.9], 1)  # a collector pause in the last step
+    assert result.throughput == BATCH / 0.1 and result.throughput_range == [BATCH / 0.9, BATCH / 0.1]
+    _record(result, {"throughput": 0.0, "step_seconds": [0.1, 0.12, 0.11]}, BATCH)  # timed again
+    assert len(result.step_seconds) == 6 and abs(result.throughput - BATCH / 0.105) < 1e-9
+
+
+def test_overlapping_ranges_tie_and_the_simpler_candidate_wins_every_time():
+    # Two readings of the same pair, the order of the medians flipped by noise: the same pick.
+    for plain_steps, zero_steps in (([0.10, 0.11, 0.12], [0.095, 0.10, 0.115]),
+                                    ([0.095, 0.10, 0.115], [0.10, 0.11, 0.12])):
+        plain, zero = _candidate(plain_steps, 1, 0.2), _candidate(zero_steps, 2, 0.1)
+        results = [zero, plain]
+        winner = _pick_winner(results)
+        assert winner[1] is plain[1]
+        assert _tied(results, winner) == [zero[1]]
+
+
+def test_a_tie_between_equals_in_methods_goes_to_the_faster_estimate():
+    slow_estimate, fast_estimate = _candidate([0.10, 0.11], 2, 0.3), _candidate([0.105, 0.11], 2, 0.1)
+    assert _pick_winner([slow_estimate, fast_estimate])[1] is fast_estimate[1]
+
+
+def test_apart_ranges_or_a_gap_past_the_cap_are_no_tie():
+    fast, slow = _candidate([0.10, 0.10, 0.101], 2), _candidate([0.13, 0.13, 0.14], 1)
+    assert _pick_winner([slow, fast])[1] is fast[1] and _tied([slow, fast], fast) == []
+    # overlapping only through a wild step, but the medians 30% apart: the faster wins
+    fast, slow = _candidate([0.10, 0.10, 0.5], 2), _candidate([0.13, 0.13, 0.13], 1)
+    assert _pick_winner([slow, fast])[1] is fast[1]
+
+
+def test_the_report_says_who_was_tied_and_shows_each_range():
+    plain, zero = _candidate([0.10, 0.11, 0.12], 1), _candidate([0.095, 0.10, 0.115], 2)
+    report = SearchReport(world_size=2, device="cpu", memory_budget_bytes=2**30,
+                          candidates=[zero[1], plain[1]], winner=1, tied=[0])
+    text = report.table()
+    assert "winner m0: tied with m0 + m1" in text
+    assert f"{BATCH / 0.11:.1f} ({BATCH / 0.12:.0f}-{BATCH / 0.10:.0f})" in text
+    assert SearchReport.from_dict(report.to_dict()).tied == [0]
