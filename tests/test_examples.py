@@ -51,6 +51,7 @@ def test_strategy_file_on_one_process(tmp_path):
     assert "world size 1" in out
 
 
+@pytest.mark.slow  # the default suite stays under 15 minutes; run with -m slow
 def test_gpt2_walkthrough_accumulates_logs_and_resumes(tmp_path):
     """examples/finetune_gpt2.py, the job docs/user_guide.md walks: a ready strategy file, gradient
     accumulation, the step line, a checkpoint the next run resumes from."""

@@ -29,6 +29,7 @@ def _run(ckpt_dir: Path) -> subprocess.CompletedProcess:
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # the default suite stays under 15 minutes; run with -m slow
 def test_a_finished_job_started_again_exits_0(tmp_path):
     first = _run(tmp_path / "ck")
     assert first.returncode == 0, first.stdout + first.stderr

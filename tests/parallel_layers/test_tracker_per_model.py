@@ -6,6 +6,7 @@ ranks 0 and 2 (tensor ranks 0 and 2 now, both 0 before) drew the same dropout ma
 different heads. The search dry-runs several layouts in one process, so this is the common case.
 """
 
+import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
@@ -41,6 +42,7 @@ def _draws_per_layout():
     return out
 
 
+@pytest.mark.slow  # the default suite stays under 15 minutes; run with -m slow
 def test_a_second_layout_in_one_process_gets_streams_of_its_own():
     draws = run_distributed(_draws_per_layout, 4)[0]
     # tensor 2 x data 2: ranks 0 and 1 form a tensor group (rank = tensor rank + 2 x data rank),

@@ -217,6 +217,7 @@ def _four_rank_traced_runs():
     return out
 
 
+@pytest.mark.slow  # the default suite stays under 15 minutes; run with -m slow
 def test_pipeline_2_x_data_2_and_zero1_match_serial():
     from tests.helpers.hf import tiny_gpt2
 

@@ -106,6 +106,7 @@ def _pipeline_run() -> dict:
     return {"plain": _traffic(PP2_DP2), "zero1": _traffic([*PP2_DP2, "zero1"])}
 
 
+@pytest.mark.slow  # the default suite stays under 15 minutes; run with -m slow
 def test_a_pipelines_data_parallel_sync_is_one_all_reduce_a_parameter():
     """The pipeline model all-reduces each of its stages' gradients after the schedule (no DDP
     buckets, nothing overlapped): the term had charged DDP's bucketed, overlapped all-reduce. With
