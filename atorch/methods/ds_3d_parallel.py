@@ -8,7 +8,7 @@ runs the engine's ``train_batch`` (forward, backward and optimizer step), so the
 gloo (tested) as on GPUs. No tensor dim: DeepSpeed's 3D needs a Megatron model; use mixed_parallel.
 """
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
@@ -18,13 +18,17 @@ from atorch.auto.registry import MethodSpec, Stage, register_method
 from atorch.errors import MethodConfigError
 from atorch.pipeline.layouts import layout_for
 from atorch.sharding.deepspeed import _merge
+from atorch.sharding.deepspeed_config import TRUSTED_DESCRIPTION, StrategyDsConfig, TrustedField, merged
 
 
 class Ds3dParallelConfig(MethodConfig):
     num_microbatches: int = Field(default=1, ge=1, description="microbatches per step (DeepSpeed's gradient accumulation steps)")
     partition_method: Literal["parameters", "uniform"] = Field(
         default="parameters", description="DeepSpeed's stage balance: by parameter count, or the same number of units")
-    ds_config: dict[str, Any] | None = Field(default=None, description="extra DeepSpeed config merged over atorch's")
+    ds_config: StrategyDsConfig = Field(
+        default=None, description="extra DeepSpeed config merged over atorch's; keys that write files or start "
+        "services are refused (atorch/sharding/deepspeed_config.py)")
+    trusted_ds_config: TrustedField = Field(default=None, exclude=True, description=TRUSTED_DESCRIPTION)
 
 
 def _unsupported(device_ctx, config: Ds3dParallelConfig) -> str | None:
@@ -68,7 +72,7 @@ def wrap(ctx: ModelContext, config: Ds3dParallelConfig) -> None:
         "gradient_clipping": 0.0,
     }
     engine, _, _, _ = deepspeed.initialize(model=ctx.model, optimizer=ctx.base_optim,
-                                           config=_merge(ds_config, config.ds_config or {}), dist_init_required=False)
+                                           config=_merge(ds_config, merged(config) or {}), dist_init_required=False)
     ctx.model = DeepSpeedPipelineCall(engine, engine.module.atorch_layout, config.num_microbatches)
     ctx.optim = SteppedByEngine(ctx.base_optim)
     ctx.loss_func = lambda batch, loss: loss
@@ -91,7 +95,7 @@ def cost_term(config: Ds3dParallelConfig, cost) -> None:
     fields = SimpleNamespace(num_microbatches=config.num_microbatches, virtual_pipeline_size=1, schedule="1f1b",
                              pipeline_cuts=None)
     pipeline_terms(cost, fields, cost.size("pipeline"))
-    cost.sync_calls = {"bucket_bytes": reduce_bucket_elements(config.ds_config) * cost.element_bytes()}
+    cost.sync_calls = {"bucket_bytes": reduce_bucket_elements(merged(config)) * cost.element_bytes()}
 
 
 register_method(

@@ -6,8 +6,6 @@ Each rank keeps the optimizer state of about 1/N of the parameters and broadcast
 parameters after every step; gradients are all-reduced by DDP as usual.
 """
 
-from typing import Any
-
 from pydantic import Field
 
 from atorch.auto.config_types import MethodConfig
@@ -15,11 +13,15 @@ from atorch.auto.context import ModelContext
 from atorch.auto.registry import ONE_SHARDING, MethodSpec, Stage, register_method
 from atorch.methods.parallel_mode import DDP_BUCKET_BYTES
 from atorch.sharding.deepspeed import deepspeed_unavailable, wrap_deepspeed, zero_memory_terms
+from atorch.sharding.deepspeed_config import TRUSTED_DESCRIPTION, StrategyDsConfig, TrustedField, merged
 
 
 class Zero1Config(MethodConfig):
     use_ds_zero: bool = Field(default=False, description="use DeepSpeed ZeRO-1 instead of ZeroRedundancyOptimizer")
-    ds_config: dict[str, Any] | None = Field(default=None, description="extra DeepSpeed config merged over atorch's (e.g. gradient_clipping)")
+    ds_config: StrategyDsConfig = Field(
+        default=None, description="extra DeepSpeed config merged over atorch's (e.g. gradient_clipping); keys that "
+        "write files or start services are refused (atorch/sharding/deepspeed_config.py)")
+    trusted_ds_config: TrustedField = Field(default=None, exclude=True, description=TRUSTED_DESCRIPTION)
 
 
 def _one_dtype_per_device(params) -> bool:
@@ -60,7 +62,7 @@ def claim(ctx: ModelContext, config: Zero1Config) -> None:
 
 def deepspeed_wrap(ctx: ModelContext, config: Zero1Config) -> None:
     if config.use_ds_zero:
-        wrap_deepspeed(ctx, stage=1, user_config=config.ds_config)
+        wrap_deepspeed(ctx, stage=1, user_config=merged(config))
 
 
 def _unsupported(device_ctx, config: Zero1Config) -> str | None:
@@ -81,7 +83,7 @@ def cost_term(config: Zero1Config, cost) -> None:
         cost.stepped = max(cost.stepped, largest)
         cost.step_temp = cost.stepped  # foreach kernels over the shard's parameters (local_step.py)
     else:
-        zero_memory_terms(cost, config.ds_config)
+        zero_memory_terms(cost, merged(config))
     cost.data_sync = {"grads": 2, "params": 1}  # all-reduce gradients, broadcast updated parameters
     if pipelined:  # the pipeline's blocking all-reduce a parameter stays; the broadcasts follow the step
         cost.sync_calls = {**cost.sync_calls, "all_gather": cost.dp_size}

@@ -6,7 +6,6 @@ to backward), ``{"not_use_fsdp": true}`` (fairscale OSS + ShardedDDP), ``{"use_d
 """
 
 import importlib.util
-from typing import Any
 
 from pydantic import Field, model_validator
 
@@ -16,6 +15,7 @@ from atorch.auto.registry import ONE_SHARDING, MethodSpec, Stage, register_metho
 from atorch.methods.fsdp import accumulation_terms, compute_dtype_share, mixed_precision_from
 from atorch.sharding import fsdp2
 from atorch.sharding.deepspeed import deepspeed_unavailable, wrap_deepspeed, zero_memory_terms
+from atorch.sharding.deepspeed_config import TRUSTED_DESCRIPTION, StrategyDsConfig, TrustedField, merged
 from atorch.utils.memo import once
 from atorch.utils.modules import find_block_classes
 
@@ -23,7 +23,10 @@ from atorch.utils.modules import find_block_classes
 class Zero2Config(MethodConfig):
     use_ds_zero: bool = Field(default=False, description="DeepSpeed ZeRO-2")
     not_use_fsdp: bool = Field(default=False, description="fairscale OSS + ShardedDDP instead of FSDP2")
-    ds_config: dict[str, Any] | None = Field(default=None, description="extra DeepSpeed config merged over atorch's (e.g. gradient_clipping)")
+    ds_config: StrategyDsConfig = Field(
+        default=None, description="extra DeepSpeed config merged over atorch's (e.g. gradient_clipping); keys that "
+        "write files or start services are refused (atorch/sharding/deepspeed_config.py)")
+    trusted_ds_config: TrustedField = Field(default=None, exclude=True, description=TRUSTED_DESCRIPTION)
     bucket_params: int = Field(
         default=500_000_000, ge=0,
         description="FSDP2 path: consecutive blocks share one FSDP unit (one all-gather, one reduce-scatter) "
@@ -84,7 +87,7 @@ def wrap_optimizer(ctx: ModelContext, config: Zero2Config) -> None:
 
 def wrap_ds(ctx: ModelContext, config: Zero2Config) -> None:
     if config.use_ds_zero:
-        wrap_deepspeed(ctx, stage=2, user_config=config.ds_config)
+        wrap_deepspeed(ctx, stage=2, user_config=merged(config))
 
 
 def _absorbs(config: Zero2Config) -> dict[str, str]:
@@ -112,7 +115,7 @@ def cost_term(config: Zero2Config, cost) -> None:
     # after the step (DeepSpeed, fairscale) or unit by unit ahead of its forward (FSDP2)
     cost.sync_overlap = {"reduce_scatter": ("backward",)}
     if config.use_ds_zero:
-        zero_memory_terms(cost, config.ds_config)
+        zero_memory_terms(cost, merged(config))
     if not config.use_ds_zero and not config.not_use_fsdp:
         _fsdp2_terms(config, cost)
         # one gather (in forward: kept whole through backward) and one reduce-scatter per unit
