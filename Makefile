@@ -2,6 +2,9 @@
 #   make example   the main job: a strategy search and a short training run of a small Llama over
 #                  2 CPU processes (gloo); prints the report, saves the winner to best_strategy.json
 #   make test      the test suite
+#   make gpu-check the GPU check (benchmarks/gpu): CUDA tests, a 1B Llama benchmark, calibration and
+#                  the cost model's estimate, results in benchmarks/results/gpu_<device>_<date>.{json,md};
+#                  resumes a cut run; without CUDA its CPU dry path. Arguments: GPU_CHECK_ARGS="--budget 540"
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -15,7 +18,9 @@ TORCH_INDEX ?=
 # CONSTRAINTS= installs the newest releases instead.
 CONSTRAINTS ?= constraints.txt
 
-.PHONY: setup example test clean
+GPU_CHECK_ARGS ?=
+
+.PHONY: setup example test gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +39,9 @@ example: setup
 test: setup
 	$(BIN)/ruff check atorch tests examples benchmarks
 	$(BIN)/python -m pytest tests
+
+gpu-check: setup
+	$(BIN)/python -m benchmarks.gpu $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
