@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import shutil
 import time
 import uuid
 import warnings
@@ -110,28 +111,35 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optim: Any = None, lr_
 
     save_id = ranks.from_rank0(uuid.uuid4().hex[:12])
     tmp = io.temporary_dir(path, save_id)
-    ranks.on_rank0(lambda: io.prepare(path, tmp))
-    try:
-        with _single_process_is_fine():
-            dcp.save(content, storage_writer=FileSystemWriter(tmp), no_dist=not ranks.distributed())
-    except CheckpointException as error:
-        # The marked tmp directory stays; the next save removes it.
-        raise _failed(f"saving {path}", error, f"{path} is as it was") from error
     info = {
         "world_size": ranks.world_size(),
         "saved_from": _strategy_of(model, optim),
         "contents": sorted(["model"] + (["optim"] if optim is not None else []) + list(objects)),
     }
-    # dcp.save returns once every rank's files and the metadata are written.
-    files = integrity.record(tmp, ranks.on_rank0(lambda: io.list_files(tmp)))
-    ranks.on_rank0(lambda: (io.write_manifest(tmp, info, files), io.publish(tmp, path, save_id)))
+    try:
+        ranks.on_rank0(lambda: io.prepare(path, tmp))
+        try:
+            with _single_process_is_fine():
+                dcp.save(content, storage_writer=FileSystemWriter(tmp), no_dist=not ranks.distributed())
+        except CheckpointException as error:
+            raise _failed(f"saving {path}", error, f"{path} is as it was") from error
+        # dcp.save returns once every rank's files and the metadata are written.
+        files = integrity.record(tmp, ranks.on_rank0(lambda: io.list_files(tmp)))
+        ranks.on_rank0(lambda: (io.write_manifest(tmp, info, files), io.publish(tmp, path, save_id)))
+    except BaseException as error:
+        # What the failed save wrote goes now, not at the next save: after a disk-full error it
+        # kept the disk full. Every rank removes it (a filesystem that is not shared has one per node).
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(error, RuntimeError) and not isinstance(error, CheckpointError):
+            raise ranks.peer_failure(f"saving {path}", error, f"{path} is as it was") from error
+        raise
     logger.info("checkpoint saved to %s: %d files, %s, %.1fs", path, len(files),
                 _size(sum(entry["size"] for entry in files.values())), time.perf_counter() - start)
     return path
 
 
 def load(path: str | os.PathLike, model: torch.nn.Module, optim: Any = None, lr_scheduler: Any = None,
-         dataloader: Any = None) -> Any:
+         dataloader: Any = None, allow_unverified: bool = False) -> Any:
     """Load a checkpoint written by :func:`save` into this job (call it on every rank); return its ``extra``.
 
     The model (and optimizer, lr scheduler, dataloader when given) may be held under another
@@ -145,6 +153,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optim: Any = None, lr_
     :class:`atorch.errors.CheckpointError` on every rank, with the model, optimizer, scheduler,
     dataloader and random streams as they were.
 
+    A checkpoint whose files carry no checksum (saved by atorch before checksums, manifest
+    version 1) is refused unless ``allow_unverified=True``, which reads it with sizes checked
+    only (logged at WARNING); save it again to get checksums.
+
     Example::
 
         if atorch.checkpoint.exists("ckpt/latest"):
@@ -152,10 +164,20 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optim: Any = None, lr_
                                           result.lr_scheduler, result.dataloader)["step"]
     """
     path = Path(path).absolute()
+    try:
+        return _load(path, model, optim, lr_scheduler, dataloader, allow_unverified)
+    except RuntimeError as error:
+        if isinstance(error, CheckpointError):
+            raise
+        raise ranks.peer_failure(f"loading {path}", error, "the model and optimizer may be partly loaded") from error
+
+
+def _load(path: Path, model, optim, lr_scheduler, dataloader, allow_unverified: bool) -> Any:
     start = time.perf_counter()
     logger.info("checkpoint: loading %s ...", path)
     state.check_supported(model, optim)
     directory, manifest = ranks.agree(lambda: io.resolve(path))
+    ranks.agree(lambda: io.require_checksums(directory, manifest, allow_unverified))
     if len(set(ranks.gather(str(directory)))) > 1:
         raise CheckpointError(f"checkpoint: the ranks see different checkpoints at {path}; it must be on a "
                               "filesystem every rank sees")

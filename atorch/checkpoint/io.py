@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from atorch.checkpoint import integrity, safe_pickle
@@ -145,7 +146,8 @@ def prepare(path: Path, tmp: Path) -> None:
 def read_manifest(directory: Path) -> dict:
     """The manifest of ``directory``; :class:`CheckpointError` when it is absent, unreadable or altered.
 
-    Version 1 manifests (sizes only) are read as ``{"files": {name: {"size": n}}}``.
+    Version 1 manifests (sizes only) are read as ``{"files": {name: {"size": n}}}``;
+    :func:`require_checksums` refuses them unless the caller allows it.
     """
     file = directory / MANIFEST
     if not file.is_file():
@@ -170,10 +172,10 @@ def read_manifest(directory: Path) -> dict:
         if (not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or Path(name).is_absolute()
                 or ".." in Path(name).parts or name in _NOT_LISTED):
             raise CheckpointError(f"{file} lists {name!r} as {entry!r}; the checkpoint is corrupt")
+        checksum = entry.get(integrity.ALGORITHM)
+        if checksum is not None and not (isinstance(checksum, str) and len(checksum) == 64):
+            raise CheckpointError(f"{file} lists {name!r} with checksum {checksum!r}; the checkpoint is corrupt")
         files[name] = entry
-    if version < 2:
-        logger.warning("checkpoint: %s was saved by an earlier atorch without checksums; only file sizes are checked",
-                       directory)
     return {**manifest, "files": files}
 
 
@@ -183,17 +185,52 @@ def validate(directory: Path) -> dict:
     The contents are checked against their checksums by :func:`integrity.verify`, which reads them.
     """
     manifest = read_manifest(directory)
-    missing, wrong = [], []
+    missing, wrong, linked = [], [], []
     for name, entry in manifest["files"].items():
         file = directory / name
-        if not file.is_file():
+        if _linked(directory, name):
+            linked.append(name)
+        elif not file.is_file():
             missing.append(name)
         elif file.stat().st_size != entry["size"]:
             wrong.append(f"{name} ({file.stat().st_size} bytes, expected {entry['size']})")
-    if missing or wrong:
+    if missing or wrong or linked:
         parts = ([f"missing files {missing}"] if missing else []) + ([f"truncated or altered files {wrong}"] if wrong else [])
+        parts += [f"parts that are links, not regular files inside the checkpoint folder {linked} (a save never "
+                  "writes one; copy the files themselves)"] if linked else []
         raise CheckpointError(f"checkpoint {directory} is damaged: {'; '.join(parts)}; it will not be loaded")
     return manifest
+
+
+def _linked(directory: Path, name: str) -> bool:
+    """Whether part ``name`` is a symlink, or lies under one, inside ``directory`` (the checkpoint
+    folder itself may be a link: ``ckpt/latest -> step_100``): a part must be a regular file there."""
+    path = directory
+    for part in Path(name).parts:
+        path = path / part
+        if path.is_symlink():
+            return True
+    return path.exists() and not stat.S_ISREG(path.lstat().st_mode)
+
+
+def unverified(manifest: dict) -> list[str]:
+    """The files ``manifest`` holds no checksum for (every file of a version-1 manifest)."""
+    return sorted(name for name, entry in manifest["files"].items() if integrity.ALGORITHM not in entry)
+
+
+def require_checksums(directory: Path, manifest: dict, allow_unverified: bool) -> None:
+    """Refuse a checkpoint whose files are not all checksummed, unless the caller said to read it anyway."""
+    names = unverified(manifest)
+    if not names:
+        return
+    what = (f"was saved by an earlier atorch without checksums (manifest version {manifest.get('version', 0)})"
+            if manifest.get("version", 0) < 2 else f"lists files without a checksum {names[:5]}")
+    if not allow_unverified:
+        raise CheckpointError(f"checkpoint {directory} {what}: a changed byte in those files would go unnoticed. "
+                              "Pass allow_unverified=True to atorch.checkpoint.load to read it with sizes checked only, "
+                              "then save it again to get checksums")
+    logger.warning("checkpoint: %s %s; reading it with sizes checked only (allow_unverified=True): save it again to "
+                   "get checksums", directory, what)
 
 
 def read_metadata(directory: Path, manifest: dict):

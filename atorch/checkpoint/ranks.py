@@ -41,6 +41,14 @@ def from_rank0(value):
     return box[0]
 
 
+def peer_failure(what: str, error: RuntimeError, outcome: str) -> CheckpointError:
+    """A collective that failed under a save or load (gloo's "Connection closed by peer", ...) as
+    atorch's error: in a job, another rank stopped (killed, out of memory, a failed filesystem)."""
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    cause = " (another rank stopped: killed, out of memory, or its filesystem failed)" if distributed() else ""
+    return CheckpointError(f"checkpoint: {what} failed: {type(error).__name__}: {first}{cause}; {outcome}")
+
+
 def _describe(error: Exception) -> str:
     return str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
 

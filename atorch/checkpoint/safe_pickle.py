@@ -5,7 +5,9 @@ with the standard unpickler, which calls whatever a file names (``os.system``, `
 A checkpoint is something people copy and share, so atorch never does that (docs/DESIGN.md).
 :func:`loads` builds only the classes DCP's metadata is made of, torch dtypes, layouts and
 sizes, paths and plain data; any other global, a ``BUILD`` that would set attributes on a class
-instead of an instance, and persistent ids are refused with :class:`CheckpointError`.
+instead of an instance (or a dunder name on an instance), and persistent ids are refused with
+:class:`CheckpointError`. Nothing is imported: a name outside the allow-list is refused as it is,
+and a ``__setstate__`` is only ever the record class's own.
 
 Example::
 
@@ -53,6 +55,9 @@ _GLOBALS = {
                                                              "PureWindowsPath")},
 }
 _CALLABLE = {id(value) for value in _GLOBALS.values()}
+# torch's dtypes by name, taken once from torch's namespace: ``getattr(torch, name)`` would import a
+# submodule a pickle names (torch's lazy ``__getattr__``: ``torch._inductor`` took 17 s).
+_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 
 
 class _Restricted(pickle._Unpickler):  # the Python implementation: its opcodes can be checked one by one
@@ -61,8 +66,8 @@ class _Restricted(pickle._Unpickler):  # the Python implementation: its opcodes 
     def find_class(self, module: str, name: str):
         if (module, name) in _GLOBALS:
             return _GLOBALS[(module, name)]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)  # a dtype is a constant, not something to call
+        if module == "torch" and name in _DTYPES:
+            return _DTYPES[name]  # a dtype is a constant, not something to call
         raise pickle.UnpicklingError(f"refused global {module}.{name}: not part of a torch.distributed.checkpoint "
                                      "metadata file (unpickling it could run code)")
 
@@ -70,12 +75,21 @@ class _Restricted(pickle._Unpickler):  # the Python implementation: its opcodes 
         raise pickle.UnpicklingError("refused a persistent id: DCP metadata has none")
 
     def _build(self):
-        target = self.stack[-2]
+        state, target = self.stack[-1], self.stack[-2]
         if type(target) not in _RECORDS:  # never a class (that would patch it for the whole process)
             raise pickle.UnpicklingError(f"refused to set the state of a {type(target).__name__}")
-        if not hasattr(type(target), "__setstate__") and not isinstance(self.stack[-1], dict):
+        # The class's own __setstate__ only: pickle's load_build looks it up on the instance, where
+        # an earlier BUILD could have put any callable the file can name.
+        setstate = vars(type(target)).get("__setstate__")
+        if setstate is None and not isinstance(state, dict):
             raise pickle.UnpicklingError("refused slot state: DCP metadata classes have none")
-        pickle._Unpickler.load_build(self)
+        if setstate is None and any(not isinstance(key, str) or key.startswith("__") for key in state):
+            raise pickle.UnpicklingError(f"refused state keys {[k for k in state if not isinstance(k, str) or k.startswith('__')]!r}")
+        self.stack.pop()
+        if setstate is not None:
+            setstate(target, state)
+        else:
+            target.__dict__.update(state)
 
     def _reduce(self):
         if id(self.stack[-2]) not in _CALLABLE:

@@ -126,12 +126,55 @@ def test_garbled_metadata_is_a_checkpoint_error_even_with_a_matching_manifest(sa
         _load(path, target)
 
 
-def test_a_version_1_checkpoint_still_loads_with_sizes_checked(saved, tmp_path):
-    path = tmp_path / "ck"
-    shutil.copytree(saved, path)
+def _version_1(path):
     manifest = json.loads((path / io.MANIFEST).read_text())
     manifest = {**manifest, "version": 1, "files": {k: v["size"] for k, v in manifest["files"].items()}}
     del manifest[io.SELF_CHECK]
     (path / io.MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_version_1_checkpoint_loads_only_when_allowed(saved, tmp_path, caplog):
+    path = tmp_path / "ck"
+    shutil.copytree(saved, path)
+    _version_1(path)
     result = build("single", seed=5)
-    assert _load(path, result) == {"step": 2}
+    before = snapshot(result)
+    with pytest.raises(CheckpointError, match=r"without checksums \(manifest version 1\).*allow_unverified=True"):
+        _load(path, result)
+    assert not differences(before, snapshot(result))
+    with caplog.at_level("WARNING", logger="atorch"):
+        assert ckpt.load(path, result.model, result.optim, result.lr_scheduler, result.dataloader,
+                         allow_unverified=True) == {"step": 2}
+    assert "sizes checked only" in caplog.text
+
+
+def test_a_version_2_entry_without_its_checksum_is_refused(saved, target, tmp_path):
+    path = tmp_path / "ck"
+    shutil.copytree(saved, path)
+    manifest = json.loads((path / io.MANIFEST).read_text())
+    name = next(n for n in manifest["files"] if n.endswith(".distcp"))
+    del manifest["files"][name]["sha256"]
+    manifest[io.SELF_CHECK] = io._self_digest(manifest)  # whoever dropped it can fix the manifest's own checksum too
+    (path / io.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=rf"lists files without a checksum \['{name}'\]"):
+        _load(path, target)
+
+
+@pytest.mark.parametrize("name", [".metadata", "__0_0.distcp"])
+def test_a_part_that_is_a_symlink_is_refused(saved, target, tmp_path, name):
+    path = tmp_path / "ck"
+    shutil.copytree(saved, path)
+    outside = tmp_path / "outside"
+    shutil.copy(path / name, outside)  # same bytes: size and checksum match
+    (path / name).unlink()
+    (path / name).symlink_to(outside)
+    before = snapshot(target)
+    assert not ckpt.exists(path)
+    with pytest.raises(CheckpointError, match=rf"links, not regular files inside the checkpoint folder \['{name}'\]"):
+        _load(path, target)
+    assert not differences(before, snapshot(target))
+
+
+def test_the_checkpoint_folder_itself_may_be_a_link(saved, tmp_path):
+    (tmp_path / "latest").symlink_to(saved)
+    assert ckpt.load(tmp_path / "latest", build("single", seed=5).model) == {"step": 2}
