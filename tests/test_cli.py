@@ -54,10 +54,10 @@ def test_report_table_shows_the_whole_reason_wrapped():
     # Before: cut at 70 characters ("...known error (es").
     assert LONG_REASON in _words(table)
     lines = table.splitlines()
-    reason_column = lines[1].index("reason")
+    reason_column = lines[1].index("status")
     assert max(len(line) for line in lines) <= 120  # before: up to 219 characters
     # The reason continues on the next lines, under its column.
-    pruned_row = next(i for i, line in enumerate(lines) if " pruned " in line)
+    pruned_row = next(i for i, line in enumerate(lines) if " pruned: " in line)
     for continuation in lines[pruned_row + 1:pruned_row + 3]:
         assert continuation[:reason_column].strip() == "" and continuation[reason_column] != " "
 

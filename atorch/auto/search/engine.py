@@ -406,6 +406,7 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
     if winner is not None:
         report.tied = [[r for _, r in results].index(r) for r in _tied(results, winner)] or None
     report.search_seconds = time.perf_counter() - start
+    report.created = time.time()
     if winner is None:
         report.note = _no_winner_note(results, options, timed_out)
     torch.set_rng_state(rng)  # the search does not change the user's random stream

@@ -3,6 +3,7 @@
 import json
 import os
 import textwrap
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,8 @@ class SearchReport:
     tied: list[int] | None = None
     # The global batch (samples per step): estimated step times are shown as samples/s with it.
     global_batch: int | None = None
+    # When the search finished (seconds since the epoch): a cached report says how old it is.
+    created: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -90,8 +93,7 @@ class SearchReport:
 
         Reasons are shown whole, wrapped under their column (a reason is often the one thing that
         says what to change)."""
-        rows = [("", "strategy", "layout", "status", "samples/s", "est. samples/s", "est. peak", "meas. peak",
-                 "reason")]
+        rows = [("", "strategy", "layout", "samples/s", "est.", "est. peak", "peak", "status")]
         shown = [i for i in self._display_order()
                  if all_rows or self.candidates[i].status != PRUNED or i == self.winner]
         for index in shown:
@@ -100,12 +102,11 @@ class SearchReport:
                 "*" if index == self.winner else "",
                 " + ".join(c.names) or "(plain)",
                 c.layout or "-",
-                c.status,
                 _throughput_text(c),
                 self._estimate_text(c),
                 size_text(c.estimated_peak_bytes),
                 size_text(c.measured_peak_bytes),
-                c.reason or "",
+                c.status + (f": {c.reason}" if c.reason else ""),
             ))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         indent = " " * (sum(widths) + 2 * len(widths))
@@ -119,10 +120,18 @@ class SearchReport:
         head = (f"atorch search: {len(self.candidates)} candidates on {self.world_size} x {self.device}, "
                 f"memory budget {size_text(self.memory_budget_bytes)}, {self.search_seconds:.1f}s")
         tail = [self.note] if self.note else []
+        if self.note and "search cache" in self.note:  # a cached result says so first
+            age = f", {_age_text(time.time() - self.created)} ago" if self.created else ""
+            head = f"from the search cache (searched{age} in {self.search_seconds:.1f}s): " + head.replace(
+                f", {self.search_seconds:.1f}s", "")
         rates = [f"step times estimated at {self.rates}"] if self.rates else []
-        legend = ["* the pick; samples/s: the median timed step (slowest-fastest step); est.: the cost model's"]
+        legend = ["* the pick; samples/s: the median timed step's (the slowest-fastest step's); est.: the cost "
+                  "model's samples/s; peak: measured, per rank"]
         hidden = [] if all_rows else self._pruned_lines(set(shown), width)
-        return "\n".join([head, *self._counts_line(), *rates, *self._tie_line(), *lines, *hidden, *tail, *legend])
+        top = [wrapped for line in (head, *self._counts_line(), *rates, *self._tie_line())
+               for wrapped in textwrap.wrap(line, width, subsequent_indent="    ", break_on_hyphens=False)]
+        bottom = [wrapped for line in (*tail, *legend) for wrapped in textwrap.wrap(line, width, subsequent_indent="    ")]
+        return "\n".join([*top, *lines, *hidden, *bottom])
 
     def _pruned_lines(self, shown: set[int], width: int) -> list[str]:
         """The pruned candidates without a row, grouped by the rule that pruned them, a few named."""
@@ -143,7 +152,7 @@ class SearchReport:
         if not c.estimated_step_seconds:
             return "-"
         if self.global_batch:
-            return f"{self.global_batch / c.estimated_step_seconds:.1f}"
+            return _rate_text(self.global_batch / c.estimated_step_seconds)
         return f"{c.estimated_step_seconds * 1e3:.2f}ms/step"
 
     def _tie_line(self) -> list[str]:
@@ -187,14 +196,25 @@ def size_text(value: int | None) -> str:
     return f"{value}B"
 
 
+def _rate_text(value: float) -> str:
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+
 def _throughput_text(c: CandidateResult) -> str:
     """The median step's samples/s, with the slowest and fastest step's when there are several."""
     if not c.throughput:
         return "-"
     low, high = c.throughput_range or (None, None)
     if low is None or len(c.step_seconds or ()) < 2:
-        return f"{c.throughput:.1f}"
-    return f"{c.throughput:.1f} ({low:.0f}-{high:.0f})"
+        return _rate_text(c.throughput)
+    return f"{_rate_text(c.throughput)} ({_rate_text(low)}-{_rate_text(high)})"
+
+
+def _age_text(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
 
 
 def _term_text(key: str, value) -> str:

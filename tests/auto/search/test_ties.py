@@ -53,5 +53,17 @@ def test_the_report_says_who_was_tied_and_shows_each_range():
                           candidates=[zero[1], plain[1]], winner=1, tied=[0])
     text = report.table()
     assert "winner m0: tied with m0 + m1" in text
-    assert f"{BATCH / 0.11:.1f} ({BATCH / 0.12:.0f}-{BATCH / 0.10:.0f})" in text
+    assert "145 (133-160)" in text  # 16 samples in a median step of 0.11 s, the slowest 0.12 s, the fastest 0.10 s
     assert SearchReport.from_dict(report.to_dict()).tied == [0]
+    assert max(len(line) for line in text.splitlines()) <= 120
+
+
+def test_a_cached_report_says_so_first_with_its_age():
+    import time
+
+    plain = _candidate([0.10, 0.11, 0.12], 1)
+    report = SearchReport(world_size=2, device="cpu", memory_budget_bytes=2**30, candidates=[plain[1]], winner=0,
+                          search_seconds=42.0, created=time.time() - 7200,
+                          note="(from the search cache; pass use_search_cache=False to search again)")
+    first = report.table().splitlines()[0]
+    assert first.startswith("from the search cache (searched, 2h ago in 42.0s): atorch search: 1 candidates"), first
