@@ -19,6 +19,7 @@ from atorch.auto.search.agree import from_rank0
 from atorch.auto.search.report import SearchReport
 from atorch.auto.strategy import Strategy
 from atorch.distributed import env
+from atorch.utils.log import logger
 
 
 def default_dir() -> Path:
@@ -49,22 +50,42 @@ def cache_key(model: torch.nn.Module, ctx: Any, device_ctx: Any, budget: int, ex
     return hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+def _read(path: Path) -> dict | None:
+    """The entry at ``path`` when it is a complete, valid one (rank 0); None, with a warning that
+    names the file, for anything else: the search then runs again and overwrites it."""
+    if not path.is_file():
+        return None
+    try:
+        payload = json.loads(path.read_text())
+        if not isinstance(payload, dict) or not {"strategy", "report"} <= set(payload):
+            raise ValueError("it is not a {'strategy', 'report'} object")
+        _parse(payload, path)  # as strictly as a strategy file: the same validation
+    except Exception as error:  # noqa: BLE001 - a damaged or hostile file raises anything (RecursionError, ...)
+        first = str(error).splitlines()[0] if str(error) else ""
+        logger.warning("search cache: skipping %s, which is not a valid entry (%s: %s); searching again",
+                       path, type(error).__name__, first[:300])
+        return None
+    return payload
+
+
+def _parse(payload: dict, path: Path) -> tuple[Strategy, SearchReport]:
+    if not isinstance(payload["report"], dict):
+        raise ValueError(f"its report is a {type(payload['report']).__name__}")
+    report = SearchReport.from_dict(payload["report"])
+    return Strategy.from_data(payload["strategy"], f"search cache entry {str(path)!r}"), report
+
+
 def load(directory: Path, key: str) -> tuple[Strategy, SearchReport] | None:
-    """The cached winner and report on every rank, or None on every rank."""
-    payload = None
-    if env.rank() == 0:
-        path = directory / f"{key}.json"
-        if path.is_file():
-            try:
-                payload = json.loads(path.read_text())
-            except ValueError:
-                payload = None
+    """The cached winner and report on every rank, or None on every rank (rank 0 reads and checks
+    the file; a bad one is skipped on every rank, never raised on rank 0 alone)."""
+    path = directory / f"{key}.json"
+    payload = _read(path) if env.rank() == 0 else None
     payload = from_rank0(payload)
     if payload is None:
         return None
-    report = SearchReport.from_dict(payload["report"])
+    strategy, report = _parse(payload, path)
     report.note = ((report.note or "") + " (from the search cache; pass use_search_cache=False to search again)").strip()
-    return Strategy.from_data(payload["strategy"]), report
+    return strategy, report
 
 
 def store(directory: Path, key: str, strategy: Strategy, report: SearchReport) -> None:

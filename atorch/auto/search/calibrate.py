@@ -32,6 +32,7 @@ import torch.distributed as dist
 from atorch.auto.search.agree import from_rank0, max_each
 from atorch.auto.search.profiles import HardwareProfile, profile_from_data
 from atorch.utils.files import write_text_atomic
+from atorch.utils.log import logger
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 REPEATS = 5
@@ -100,10 +101,20 @@ def read_cached(path: Path, device: torch.device) -> tuple[dict | None, str]:
     if not path.is_file():
         return None, f"no calibration at {path}"
     try:
-        data = json.loads(path.read_text())
-        profile_from_data(data, path)
-    except (ValueError, KeyError, TypeError) as error:
-        return None, f"{path} does not read as a calibration ({error})"
+        return _check_cached(path, device)
+    except Exception as error:  # noqa: BLE001 - a damaged file raises anything (RecursionError, ...); rank 0
+        # must not raise alone before the broadcast that the other ranks wait in
+        first = str(error).splitlines()[0] if str(error) else ""
+        why = f"{path} does not read as a calibration ({type(error).__name__}: {first[:300]})"
+        logger.warning("calibration: %s; using nominal rates (atorch calibrate --refresh measures again)", why)
+        return None, why
+
+
+def _check_cached(path: Path, device: torch.device) -> tuple[dict | None, str]:
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("calibration"), dict):
+        raise ValueError("it is not a calibration object")
+    profile_from_data(data, path)
     if "op_seconds" not in data:
         return None, f"{path} was measured before the overhead per operator was (run atorch calibrate --refresh)"
     if "checkpoint_save_seconds" not in data or "wrapped_call_seconds" not in data:
