@@ -8,10 +8,26 @@ out (a dry run's groups have the candidate's timeout, see :func:`atorch.auto.sea
 and then joins the agreement.
 """
 
+import datetime
+
 import torch
 import torch.distributed as dist
 
-_agreement: tuple = (None, None)  # (the default group it belongs to, the agreement group)
+# (the default group it belongs to, the agreement group, its timeout in seconds or None)
+_agreement: tuple = (None, None, None)
+_wanted_timeout: float | None = None
+
+
+class AgreementTimeout(RuntimeError):
+    """A rank did not reach one of the search's agreements in time: it stopped, hung or died."""
+
+
+def set_timeout(seconds: float | None) -> None:
+    """How long an agreement waits for the slowest rank before it raises :class:`AgreementTimeout`
+    (``None``: torch's default, 30 minutes). Call it on every rank, in step (the search does at
+    its start): the next agreement builds its group with this timeout."""
+    global _wanted_timeout
+    _wanted_timeout = None if seconds is None else float(seconds)
 
 
 def _active() -> bool:
@@ -22,12 +38,29 @@ def agreement_group() -> dist.ProcessGroup:
     """The agreements' process group, created on first use (a collective call: the first use must
     come where every rank is in step, before any group a candidate creates)."""
     global _agreement
-    world, group = _agreement
-    if world is not dist.GroupMember.WORLD:
+    world, group, seconds = _agreement
+    if world is not dist.GroupMember.WORLD or seconds != _wanted_timeout:
         # gloo, whatever the default backend: the agreements exchange a few numbers on the CPU.
-        group = dist.new_group(backend="gloo", group_desc="atorch_search_agreement")
-        _agreement = (dist.GroupMember.WORLD, group)
+        timeout = {} if _wanted_timeout is None else {"timeout": datetime.timedelta(seconds=_wanted_timeout)}
+        group = dist.new_group(backend="gloo", group_desc="atorch_search_agreement", **timeout)
+        _agreement = (dist.GroupMember.WORLD, group, _wanted_timeout)
     return group
+
+
+def _agree(what: str, collective, *args, **kwargs):
+    """Run one agreement's collective; a peer that never comes is an AgreementTimeout naming it."""
+    try:
+        return collective(*args, group=agreement_group(), **kwargs)
+    except RuntimeError as error:  # gloo's timeout (DistBackendError is a RuntimeError)
+        text = str(error)
+        if "timed out" not in text.lower() and "timeout" not in text.lower():
+            raise
+        waited = "" if _agreement[2] is None else f" within {_agreement[2]:.0f}s"
+        raise AgreementTimeout(
+            f"rank {dist.get_rank()}: not every rank reached the search's agreement ({what}){waited}: a rank "
+            "stopped, hung or died (a frozen file system, a deadlocked data loader, a killed process), and the "
+            f"search cannot go on without it; find that rank's last log line, then restart the job "
+            f"({text.strip().splitlines()[0] if text.strip() else type(error).__name__})") from error
 
 
 def all_ok(ok: bool) -> bool:
@@ -35,7 +68,7 @@ def all_ok(ok: bool) -> bool:
     if not _active():
         return ok
     flag = torch.tensor([1.0 if ok else 0.0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=agreement_group())
+    _agree("whether every rank succeeded", dist.all_reduce, flag, op=dist.ReduceOp.MIN)
     return flag.item() == 1.0
 
 
@@ -44,9 +77,9 @@ def max_over_ranks(value: float | None) -> float | None:
     if not _active():
         return value
     data = torch.tensor([float("nan") if value is None else float(value)], dtype=torch.float64)
-    dist.all_reduce(data, op=dist.ReduceOp.MAX, group=agreement_group())
+    _agree("the largest value", dist.all_reduce, data, op=dist.ReduceOp.MAX)
     missing = torch.tensor([1.0 if value is None else 0.0])
-    dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=agreement_group())
+    _agree("the largest value", dist.all_reduce, missing, op=dist.ReduceOp.MAX)
     return None if missing.item() else data.item()
 
 
@@ -55,7 +88,7 @@ def max_each(*values: float) -> list[float]:
     if not _active():
         return list(values)
     data = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(data, op=dist.ReduceOp.MAX, group=agreement_group())
+    _agree("the slowest rank's clock", dist.all_reduce, data, op=dist.ReduceOp.MAX)
     return data.tolist()
 
 
@@ -72,7 +105,7 @@ def gathered(obj) -> list:
     if not _active():
         return [obj]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj, group=agreement_group())
+    _agree("every rank's answer", dist.all_gather_object, out, obj)
     return out
 
 
@@ -81,7 +114,7 @@ def from_rank0(obj):
     if not _active():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, group=agreement_group())
+    _agree("rank 0's decision", dist.broadcast_object_list, box, src=0)
     return box[0]
 
 
@@ -95,7 +128,7 @@ def first_error(error: str | None, at: float | None = None) -> str:
     errors = [(at, error)]
     if _active():
         errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, (at, error), group=agreement_group())
+        _agree("which rank failed first", dist.all_gather_object, errors, (at, error))
     own = [(float("inf") if when is None else when, rank, message) for rank, (when, message) in enumerate(errors)
            if message is not None and _ELSEWHERE not in message]
     if not own:

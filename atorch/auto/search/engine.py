@@ -14,7 +14,7 @@ from atorch.auto.environment import DeviceContext
 from atorch.auto.plan import resolve_strategy
 from atorch.auto.registry import all_methods, get_method
 from atorch.auto.search import cost
-from atorch.auto.search.agree import agreed, from_rank0
+from atorch.auto.search.agree import agreed, from_rank0, set_timeout
 from atorch.auto.search.calibrate import cached_rates
 from atorch.auto.search.dryrun import collector_frozen, dry_run
 from atorch.auto.search.report import FAILED, MEASURED, PRUNED, CandidateResult, SearchReport, size_text
@@ -48,6 +48,9 @@ RETIME_ROUNDS = 2
 # faster. The step-time estimate (nominal or calibrated rates) orders candidates, it does not
 # predict seconds well, so only a wide gap prunes.
 DOMINANCE = 2.0
+# How long an agreement waits for the slowest rank: AGREEMENT_TIMEOUT_FACTOR x dryrun_timeout +
+# AGREEMENT_TIMEOUT_SLACK seconds (see search()).
+AGREEMENT_TIMEOUT_FACTOR, AGREEMENT_TIMEOUT_SLACK = 2.0, 60.0
 # A method is "slower" than its twin without it when estimated more than this many times slower
 # (the winner's tie tolerance: measured candidates within 3% count as equal).
 SLOWER_MARGIN = 1.03
@@ -147,6 +150,10 @@ def search(
     """Find the fastest strategy that fits ``options.memory_budget``; see docs/search.md.
 
     ``only`` replaces the generated candidates (a loaded strategy checked by a dry run)."""
+    # A rank that stops answering (stopped, hung, died) makes the others raise AgreementTimeout
+    # instead of waiting torch's 30 minutes: a live peer reaches the next agreement within one dry
+    # run (its collectives time out after dryrun_timeout; a last step may run past it).
+    set_timeout(AGREEMENT_TIMEOUT_FACTOR * options.dryrun_timeout + AGREEMENT_TIMEOUT_SLACK)
     with collector_frozen():
         return _search(model, device_ctx, make_context, apply, options, excluded, included, base, only)
 
