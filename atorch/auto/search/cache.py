@@ -42,12 +42,28 @@ def cache_key(model: torch.nn.Module, ctx: Any, device_ctx: Any, budget: int, ex
         "optim": [_name(ctx.optim_func), repr(sorted(ctx.optim_args.items()))],
         "loss": _name(ctx.loss_func),
         "data": [_name(ctx.dataset), len(ctx.dataset) if hasattr(ctx.dataset, "__len__") else None,
-                 repr(sorted(ctx.dataloader_args.items()))],
+                 repr(sorted(ctx.dataloader_args.items())), _sample_shapes(ctx.dataset)],
+        "input_format": getattr(ctx, "model_input_format", None),
         "world": [device_ctx.world_size, device_ctx.device.type, device_ctx.capability],
         "budget": budget,
         **extra,
     }
     return hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _sample_shapes(dataset: Any) -> Any:
+    """The first sample's structure, shapes and dtypes (a job with longer sequences is another
+    job, whatever its dataset's class and length); None where it cannot be read cheaply."""
+    from atorch.auto.context import map_tensors
+
+    if not hasattr(dataset, "__getitem__") or isinstance(dataset, torch.utils.data.IterableDataset):
+        return None
+    try:
+        sample = dataset[0]
+    except Exception:  # noqa: BLE001 - a dataset without index 0 is keyed without it
+        return None
+    described = map_tensors(sample, lambda t: f"tensor{tuple(t.shape)}:{t.dtype}")
+    return json.loads(json.dumps(described, default=lambda value: type(value).__name__))
 
 
 def _read(path: Path) -> dict | None:
