@@ -10,7 +10,7 @@ from atorch.auto import loop
 from atorch.auto.context import ModelContext, check_input_format, move_to_device
 from atorch.auto.environment import DeviceContext
 from atorch.auto.fit_dims import FitJob
-from atorch.auto.inputs import check_job
+from atorch.auto.inputs import check_arguments
 from atorch.auto.order import applied_order
 from atorch.auto.plan import log_notes, plan_strategy, resolve_strategy
 from atorch.auto.registry import Stage, absorbed_methods, get_method
@@ -135,7 +135,9 @@ def auto_accelerate(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     verbose = bool(kwargs.get("verbose", False))
     accumulation = loop.accumulation_steps(kwargs.get("gradient_accumulation_steps", 1))
-    check_job(model, dataset, dataloader_args, optim_func)
+    check_arguments(model, optim_func, dataset, loss_func, prepare_input, optim_args, optim_param_func, dataloader_args,
+                    distributed_sampler_cls, excluded, included, lr_scheduler_cls, lr_scheduler_args,
+                    finetune_strategy, save_strategy_to_file, kwargs)
     check_input_format(model_input_format)
     device_ctx = DeviceContext.detect()
     job = dict(
