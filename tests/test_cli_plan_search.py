@@ -96,7 +96,7 @@ def test_plan_search_ranks_layouts_and_finds_a_split_where_data_parallel_does_no
     assert mixed and all("memory" in r for r in mixed), [r.get("reason") for r in mixed]
 
     assert main(["plan", "--search", "--profile", "h100_80gb", "--memory", "60MiB", "--hf-config", config,
-                 "--world-size", "8", "--batch-size", "8", "--seq-len", "64", "--top", "100"]) == 0
+                 "--world-size", "8", "--batch-size", "8", "--seq-len", "64", "--top", "1000"]) == 0
     out = capsys.readouterr().out
     assert "ESTIMATED" in out and "over memory" in out and f"top {len(fitting)} of {len(fitting)}" in out
     table = [line for line in out.splitlines() if re.match(r"\s+\d+\s{2}\S", line)]

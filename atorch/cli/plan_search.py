@@ -48,7 +48,7 @@ def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, st
     from atorch.auto.search import cost
     from atorch.auto.search.attention import FlashAttentionProbe
     from atorch.auto.search.engine import layout_dims
-    from atorch.auto.search.space import candidate_space, layout_space, layout_text
+    from atorch.auto.search.space import candidate_space, layout_space, layout_text, method_labels
     from atorch.auto.strategy import Strategy
     from atorch.distributed.topology import data_parallel_size
     from atorch.utils.log import quiet
@@ -92,7 +92,7 @@ def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, st
         dp = data_parallel_size(dims)
         config = _layout_config(strategy) or {}
         row = {"strategy": strategy, "layout": layout_text(dims.items(), config),
-               "names": [n for n in strategy.opt_names if n != "parallel_mode"],
+               "names": [n for n in method_labels(strategy.items()) if n != "parallel_mode"],
                "dims": {"data": dp, "tensor": dims.get("tensor", 1), "pipeline": dims.get("pipeline", 1),
                         "microbatches": config.get("num_microbatches", 1),
                         "virtual_stages": config.get("virtual_pipeline_size") or 1, "accumulation": 1},

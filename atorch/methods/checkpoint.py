@@ -31,6 +31,16 @@ class CheckpointConfig(MethodConfig):
         default_factory=list, description="classes (or class names) to checkpoint; empty: the repeated blocks"
     )
     no_reentrant: bool = Field(default=True, description="True: non-reentrant checkpoint (recommended)")
+    selective: bool = Field(
+        default=False, description="save the outputs of matmuls and attention, recompute the cheap element-wise "
+        "ops in backward (needs no_reentrant); False: recompute the whole block")
+
+    @model_validator(mode="after")
+    def _selective_needs_non_reentrant(self):
+        if self.selective and not self.no_reentrant:
+            raise ValueError("selective=True needs no_reentrant=True (torch's selective checkpointing is "
+                             "non-reentrant only)")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -42,9 +52,48 @@ class CheckpointConfig(MethodConfig):
         return {"wrap_class": [class_name(c) for c in as_list(raw)]}
 
 
+# What selective checkpointing keeps: the outputs of the ops whose recompute costs the most
+# (matrix products and attention), as torchtitan's and Megatron's selective checkpointing do;
+# normalizations, activations, adds and casts are recomputed in backward.
+SAVED_OPS = tuple(
+    op for op in (getattr(torch.ops.aten, name, None) for name in (
+        "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward"))
+    if op is not None
+)
+
+
+def _saves(op) -> bool:
+    return getattr(op, "overloadpacket", op) in SAVED_OPS
+
+
+def selective_policy(ctx, op, *args, **kwargs):
+    """torch.utils.checkpoint's policy: keep the outputs of :data:`SAVED_OPS`, recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if _saves(op):
+        on_saved = _SelectiveCount.active
+        if on_saved is not None and not ctx.is_recompute:
+            on_saved(op(*args, **kwargs))  # on meta tensors (the planner's probe): shapes only
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _SelectiveCount:
+    """Where the planner's probe is told about the outputs selective checkpointing keeps: torch
+    keeps them in a cache of its own, out of sight of the saved-tensor hooks the probe counts with."""
+
+    active = None
+
+
+def _selective_context():
+    return torch.utils.checkpoint.create_selective_checkpoint_contexts(selective_policy)
+
+
 class CheckpointedForward:
-    def __init__(self, forward, use_reentrant: bool):
-        self.forward, self.use_reentrant = forward, use_reentrant
+    def __init__(self, forward, use_reentrant: bool, selective: bool = False):
+        self.forward, self.use_reentrant, self.selective = forward, use_reentrant, selective
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
@@ -52,6 +101,9 @@ class CheckpointedForward:
         if self.use_reentrant:
             fn = functools.partial(self.forward, **kwargs) if kwargs else self.forward
             return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True)
+        if self.selective:
+            return torch.utils.checkpoint.checkpoint(self.forward, *args, use_reentrant=False,
+                                                     context_fn=_selective_context, **kwargs)
         return torch.utils.checkpoint.checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
 
 
@@ -71,8 +123,10 @@ def apply_checkpoint(ctx: ModelContext, config: CheckpointConfig) -> None:
     targets = config.wrap_class  # filled by resolve()
     matched = modules_of_classes(ctx.model, targets)
     for _, module in matched:
-        module.forward = CheckpointedForward(module.forward, use_reentrant=not config.no_reentrant)
-    logger.info("checkpoint: %d modules of %s checkpointed", len(matched), targets)
+        module.forward = CheckpointedForward(module.forward, use_reentrant=not config.no_reentrant,
+                                             selective=config.selective)
+    logger.info("checkpoint: %d modules of %s checkpointed%s", len(matched), targets,
+                " (selective: matmul and attention outputs kept)" if config.selective else "")
     # the class's forward: amp (and others) wrap the instance's in one taking **kwargs
     if "use_cache" in inspect.signature(type(ctx.model).forward).parameters:
         ctx.model.register_forward_pre_hook(_no_kv_cache_in_training, with_kwargs=True)
@@ -120,7 +174,8 @@ register_method(
         hooks={Stage.MEMORY: apply_checkpoint},
         description="activation checkpointing: recompute chosen blocks in backward to save memory",
         resolve=resolve,
-        search_space=({},),
+        # full and selective: selective keeps more (matmul outputs) and recomputes less
+        search_space=({}, {"selective": True}),
         saves_memory=True,
         memory_only=True,
         cost_term=cost_term,

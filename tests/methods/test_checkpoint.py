@@ -97,3 +97,24 @@ def test_checkpoint_on_2_ranks_matches_single_process():
     results = run_distributed(train_losses, 2, strategy)
     assert_ranks_agree(results)
     assert_losses_close(results[0]["losses"], reference["losses"], FP32_RTOL)
+
+
+def test_selective_checkpointing_trains_exactly_like_no_checkpointing():
+    """Keeping the matmul outputs and recomputing the rest changes no number (fp32)."""
+    from tests.helpers.models import train_losses
+
+    plain = train_losses([], steps=3)
+    selective = train_losses([("checkpoint", {"selective": True})], steps=3)
+    assert selective["strategy"].count('"selective": true') == 1, selective["strategy"]
+    for got, want in zip(selective["losses"], plain["losses"]):
+        assert abs(got - want) <= 1e-6 * abs(want), (selective["losses"], plain["losses"])
+
+
+def test_selective_needs_the_non_reentrant_checkpoint():
+    import pytest
+
+    from atorch.auto.strategy import Strategy
+    from atorch.errors import AtorchConfigError
+
+    with pytest.raises(AtorchConfigError, match="selective=True needs no_reentrant=True"):
+        Strategy([("checkpoint", {"selective": True, "no_reentrant": False})]).validate()

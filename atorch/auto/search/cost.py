@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from atorch.auto.context import run_model
@@ -151,6 +152,15 @@ class _SavedBytes:
         # collector cannot see: every probe kept its model copy's parameters and activations.
         return tensor.detach()
 
+    def kept(self, output) -> None:
+        """Count what selective checkpointing keeps of an op (its outputs, in torch's own cache,
+        out of the hooks' sight: ``atorch.methods.checkpoint.selective_policy`` reports them)."""
+        for tensor in pytree.tree_leaves(output):
+            if isinstance(tensor, torch.Tensor):
+                packed = self.packed
+                self.pack(tensor)
+                self.packed = packed  # not a tensor through the hooks
+
     def casts(self) -> "_WeightCasts":
         """A dispatch mode that adds each cast of a weight to the weights."""
         return _WeightCasts(self.weights)
@@ -166,6 +176,20 @@ class _WeightCasts(TorchDispatchMode):
         if func._overloadpacket is torch.ops.aten._to_copy and _storage_key(args[0]) in self.weights:
             self.weights.add(_storage_key(out))
         return out
+
+
+@contextlib.contextmanager
+def _counting_selective(counter: "_SavedBytes | None"):
+    """On meta tensors, what selective checkpointing keeps is counted as saved (see ``kept``);
+    on real tensors the probe's timeline sees those allocations itself."""
+    from atorch.methods.checkpoint import _SelectiveCount
+
+    before = _SelectiveCount.active
+    _SelectiveCount.active = None if counter is None else counter.kept
+    try:
+        yield
+    finally:
+        _SelectiveCount.active = before
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -234,7 +258,8 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
         # dispatch mode was two thirds of a 70B plan's probe)
         with timeline if not on_meta else contextlib.nullcontext():
             casts = counter.casts() if not on_meta else contextlib.nullcontext()  # autocast does nothing on meta
-            with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), op_counter, casts:
+            selective = _counting_selective(counter if on_meta else None)
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), op_counter, casts, selective:
                 output = run_model(ctx.model, batch, model_input_format)
                 if loss_func is not None:
                     loss = loss_func(batch, output)

@@ -40,6 +40,13 @@ class CandidateResult:
     def names(self) -> list[str]:
         return [m["name"] for m in self.strategy["methods"]]
 
+    @property
+    def labels(self) -> list[str]:
+        """The names as the table shows them (a variant says which: ``checkpoint (selective)``)."""
+        from atorch.auto.search.space import method_labels
+
+        return method_labels((m["name"], m.get("config") or {}) for m in self.strategy["methods"])
+
 
 @dataclass
 class SearchReport:
@@ -100,7 +107,7 @@ class SearchReport:
             c = self.candidates[index]
             rows.append((
                 "*" if index == self.winner else "",
-                " + ".join(c.names) or "(plain)",
+                " + ".join(c.labels) or "(plain)",
                 c.layout or "-",
                 _throughput_text(c),
                 self._estimate_text(c),
@@ -138,7 +145,7 @@ class SearchReport:
         groups: dict[str, list[str]] = {}
         for index, c in enumerate(self.candidates):
             if c.status == PRUNED and index not in shown:
-                name = (" + ".join(c.names) or "(plain)") + (f" [{c.layout}]" if c.layout else "")
+                name = (" + ".join(c.labels) or "(plain)") + (f" [{c.layout}]" if c.layout else "")
                 groups.setdefault((c.pruned_by or "other").replace("_", " "), []).append(name)
         lines = []
         for rule, names in sorted(groups.items(), key=lambda item: -len(item[1])):

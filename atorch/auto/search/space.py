@@ -154,3 +154,13 @@ def _unique(options: list) -> list:
         if option not in out:
             out.append(option)
     return out
+
+
+def method_labels(methods) -> list[str]:
+    """The methods' names as reports show them: a variant the search tries beside the method's
+    default says which (``checkpoint (selective)``), so two rows never read the same."""
+    labels = []
+    for name, config in methods:
+        selective = config.get("selective") if isinstance(config, dict) else getattr(config, "selective", False)
+        labels.append(f"{name} (selective)" if name == "checkpoint" and selective else name)
+    return labels
