@@ -158,6 +158,38 @@ def test_validate_against_a_model_names_the_fix(tmp_path, capsys):
     assert "against the model" in out and "GPT2Block" in out
 
 
+def test_validate_lists_three_independent_problems_in_one_run(tmp_path, capsys):
+    """A config error, a world-size error and a model error: before, only the first was reported
+    (the config error hid the other two), one rerun per fix."""
+    pytest.importorskip("transformers")
+    gpt2 = _gpt2_config(tmp_path)
+    path = _write(tmp_path / "three.json", [
+        {"name": "parallel_mode", "config": [[["zero", 3], ["data", 1]], None]},  # 3 does not divide 8
+        {"name": "amp_native", "config": {"dtyp": "bf16"}},  # a typo
+        {"name": "checkpoint", "config": {"wrap_class": ["LlamaDecoderLayer"]}},  # not in GPT-2
+    ])
+    assert main(["validate", path, "--hf-config", gpt2, "--world-size", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "3 problems" in err
+    assert "1. method 2: invalid config for method 'amp_native': unknown field 'dtyp'" in err
+    assert "Fix: rename 'dtyp' to 'dtype'" in err
+    assert "2. on 8 ranks:" in err and "multiple of 3" in err
+    assert "3. checkpoint: no module of class ['LlamaDecoderLayer'] in the model" in err
+    assert 'Fix: write "wrap_class": []' in err  # each problem says how to fix it
+    # Each alone is still found alone.
+    assert main(["validate", path, "--world-size", "8"]) == 2
+    assert "2 problems" in capsys.readouterr().err
+
+
+def test_validate_checks_the_rest_beside_a_conflict(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    path = _write(tmp_path / "conflict.json", [
+        {"name": "zero2"}, {"name": "fsdp"}, {"name": "checkpoint", "config": {"wrap_class": ["LlamaDecoderLayer"]}}])
+    assert main(["validate", path, "--hf-config", _gpt2_config(tmp_path), "--world-size", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "2 problems" in err and "'fsdp' and 'zero2' cannot be used together" in err and "LlamaDecoderLayer" in err
+
+
 LLAMA = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2752,
          "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 16}
 

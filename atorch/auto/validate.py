@@ -82,28 +82,72 @@ def check_strategy_file(
                 raise AtorchConfigError(f"method {name!r} appears twice in the strategy; keep one entry")
             methods.append((name, make_config(name, raw)))
         except AtorchConfigError as error:
-            check.problems.append(f"method {index}: {error}")
+            check.problems.append(f"method {index}: {error}{_field_fix(item, str(error))}")
     check.strategy = Strategy(methods, description)
     try:
         check.problems += relation_problems(in_applied_order(check.strategy))
     except AtorchConfigError as error:
         check.problems.append(str(error))
-    if check.problems:
-        return check  # fitting and resolving would repeat these
 
+    # Fitting and resolving go on with what is left: the methods that validate and are in no
+    # conflict (a conflicting pair would only repeat its problem), so that one bad config does
+    # not hide a world-size or a model problem (one rerun per fix).
     target = check.strategy
-    if world_size is not None:
+    for name in _in_relation_problems(check.strategy):
+        target = target.without(name)
+    if world_size is not None and len(target):
         capability = (9, 0) if device == "cuda" else None
         device_ctx = DeviceContext(world_size, min(world_size, 8), torch.device(device), capability, 2**40)
         try:
-            check.planned, check.notes = plan_strategy(check.strategy, device_ctx, job=FitJob(model))
-            target = check.planned
+            planned, notes = plan_strategy(target, device_ctx, job=FitJob(model))
         except AtorchConfigError as error:
             check.problems.append(f"on {world_size} ranks: {error}")
-            return check
-    if model is not None:
-        check.resolved = _resolve_each(model, target, check.problems)
+        else:
+            target = planned
+            if not check.problems:
+                check.planned, check.notes = planned, notes
+    if model is not None and len(target):
+        resolved = _resolve_each(model, target, check.problems)
+        if not check.problems:
+            check.resolved = resolved
     return check
+
+
+def _field_fix(item, message: str) -> str:
+    """". Fix: ..." for each unknown field of a config: the field it is closest to, or remove it."""
+    import difflib
+    import re
+
+    unknown = re.findall(r"unknown field '([^']+)'", message)
+    if not unknown:
+        return ""
+    try:
+        fields = list(get_method(_split_item(item)[0]).config_cls.model_fields)
+    except AtorchConfigError:
+        return ""
+    fixes = []
+    for name in unknown:
+        close = difflib.get_close_matches(name.split(".")[-1], fields, n=1)
+        fixes.append(f"rename {name!r} to {close[0]!r}" if close else f"remove {name!r}")
+    return ". Fix: " + "; ".join(fixes)
+
+
+def _in_relation_problems(strategy: Strategy) -> set[str]:
+    """The methods of ``strategy`` named in a conflict or a missing requirement."""
+    names: set[str] = set()
+    for name, config in strategy.items():
+        spec = get_method(name)
+        try:
+            conflicts = [other for other in spec.related("conflicts", config) if other in strategy]
+            missing = [other for other in spec.related("requires", config) if other not in strategy]
+        except AtorchConfigError:
+            names.add(name)
+            continue
+        if conflicts:
+            names.update([name, *conflicts])
+        if missing:
+            names.add(name)
+    return names
 
 
 def _resolve_each(model: torch.nn.Module, strategy: Strategy, problems: list[str]) -> Strategy:
