@@ -6,11 +6,41 @@
                                                       load_strategy=["parallel_mode", "amp_native"])
 """
 
-from atorch.auto import Strategy, auto_accelerate
-from atorch.distributed.env import device, init_distributed, local_rank, rank, shutdown, world_size
+import importlib
+
 from atorch.errors import AtorchConfigError
 
 __version__ = "0.1.0"
+
+# Imported on first use (PEP 562), so that `import atorch.cli` (the `atorch` command) and
+# `atorch --help` start without torch; `from atorch import auto_accelerate` works as before.
+_LAZY = {
+    "Strategy": "atorch.auto",
+    "auto_accelerate": "atorch.auto",
+    "device": "atorch.distributed.env",
+    "init_distributed": "atorch.distributed.env",
+    "local_rank": "atorch.distributed.env",
+    "rank": "atorch.distributed.env",
+    "shutdown": "atorch.distributed.env",
+    "world_size": "atorch.distributed.env",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    try:  # a submodule not imported yet: atorch.auto, atorch.checkpoint, ...
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as error:
+        if error.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "AtorchConfigError",

@@ -5,6 +5,19 @@ import pytest
 from atorch.cli.main import main
 
 
+def test_help_and_the_parser_import_no_torch():
+    """`atorch --help` took 2.2 s, nearly all of it importing torch through atorch/__init__."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom atorch.cli.main import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "heavy = [m for m in ('torch', 'transformers', 'deepspeed', 'pydantic') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "validate" in done.stdout and "plan" in done.stdout
+
+
 def test_validate_good_and_bad(tmp_path, capsys):
     assert main(["validate", "strategies/ddp_bf16.json", "--world-size", "8"]) == 0
     out = capsys.readouterr().out

@@ -16,13 +16,25 @@ def test_calibrate_one_rank_caches_and_reuses(tmp_path, capsys):
     assert path.read_text() == written
 
 
-def test_calibrate_spawns_gloo_ranks_and_prints_each_collective(tmp_path, capsys):
+def test_calibrate_spawns_gloo_ranks_and_prints_each_collective(tmp_path, capsys, monkeypatch):
     assert main(["calibrate", "--nproc", "2", "--cache-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "send_recv"):
         assert f"{kind} over   2 ranks" in out
     data = json.loads((tmp_path / "cpu-world2.json").read_text())
     assert data["calibration"]["world_size"] == 2 and data["calibration"]["threads"] == 1
+    # A second call reads the cache here, without spawning the ranks again (that took seconds).
+    import atorch.distributed.local
+
+    def no_spawn(*args, **kwargs):
+        raise ValueError("spawned ranks")
+
+    monkeypatch.setattr(atorch.distributed.local, "run_local", no_spawn)
+    assert main(["calibrate", "--nproc", "2", "--cache-dir", str(tmp_path)]) == 0
+    assert "all_reduce over   2 ranks" in capsys.readouterr().out
+    # Another number of threads per rank does not match the cache: measured again (spawned).
+    assert main(["calibrate", "--nproc", "2", "--threads", "2", "--cache-dir", str(tmp_path)]) == 2
+    assert "spawned ranks" in capsys.readouterr().err
 
 
 def test_calibrate_refuses_no_ranks(capsys):

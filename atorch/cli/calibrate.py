@@ -12,8 +12,6 @@ The search reads them from a cache kept per device type and world size (see
 import json
 import os
 
-import torch
-
 
 def add_parser(sub) -> None:
     calibrate = sub.add_parser("calibrate", help="measure this machine's matmul and collective rates for the search "
@@ -34,6 +32,8 @@ def add_parser(sub) -> None:
 def cmd_calibrate(args) -> int:
     if args.nproc < 1:
         raise ValueError("--nproc takes a number of ranks, 1 or more")
+    import torch
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here; calibrate the CPU with --device cpu")
@@ -43,19 +43,25 @@ def cmd_calibrate(args) -> int:
         _threads(args.threads, 1)
         path, text = _calibrate_here(device, args.refresh, args.cache_dir, args.json)
     else:
-        path, text = _spawn(args, device)
+        path, text = _cached_here(args, device) if not args.refresh else (None, None)
+        if path is None:  # none cached (or it does not apply): spawn the ranks and measure
+            path, text = _spawn(args, device)
     if text is not None:
         print(text)
     return 0
 
 
 def _threads(threads: int | None, nproc: int) -> None:
+    import torch
+
     if threads is not None or nproc > 1:
         torch.set_num_threads(threads or 1)
 
 
 def _calibrate_here(device: str, refresh: bool, cache_dir, as_json: bool) -> tuple[str, str | None]:
     """Calibrate on this rank; rank 0 returns the cache path and the text to print."""
+    import torch
+
     import atorch
     from atorch.auto.search.calibrate import cache_path, calibrate
     from atorch.distributed import env
@@ -71,6 +77,35 @@ def _calibrate_here(device: str, refresh: bool, cache_dir, as_json: bool) -> tup
     finally:
         if joined:
             atorch.shutdown()
+
+
+def _cached_here(args, device: str) -> tuple[str | None, str | None]:
+    """The calibration the spawned ranks would read, read here without spawning them (starting
+    the ranks costs seconds); (None, None) when there is none or it does not apply. The ranks'
+    setting (ranks per node, threads per rank) is put in place for the check and restored."""
+    import torch
+
+    from atorch.auto.search.calibrate import cache_path, read_cached
+    from atorch.auto.search.profiles import profile_from_data
+
+    where = torch.device(device)
+    path = cache_path(where, args.nproc, args.cache_dir)
+    if not path.is_file():
+        return None, None
+    saved_env, saved_threads = os.environ.get("LOCAL_WORLD_SIZE"), torch.get_num_threads()
+    os.environ["LOCAL_WORLD_SIZE"] = str(args.nproc)
+    torch.set_num_threads(args.threads or 1)
+    try:
+        data, _ = read_cached(path, where)
+    finally:
+        torch.set_num_threads(saved_threads)
+        if saved_env is None:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved_env
+    if data is None:
+        return None, None
+    return str(path), (path.read_text().rstrip() if args.json else describe(profile_from_data(data, path), str(path)))
 
 
 def _spawn(args, device: str) -> tuple[str, str | None]:

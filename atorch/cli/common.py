@@ -3,8 +3,6 @@
 import importlib
 import json
 
-import torch
-
 
 def add_model_flags(parser, required: bool = False) -> None:
     source = parser.add_mutually_exclusive_group(required=required)
@@ -12,9 +10,13 @@ def add_model_flags(parser, required: bool = False) -> None:
     source.add_argument("--model", help="module:function returning the model (built on the meta device)")
 
 
-def build_model(args, dtype: torch.dtype | None = None) -> torch.nn.Module | None:
+def build_model(args, dtype=None):
     """The model named by ``--hf-config`` or ``--model``, on the meta device (no memory, no
-    download); None when neither was given."""
+    download); None when neither was given. ``dtype``: a torch.dtype to cast the model to."""
+    if not (getattr(args, "hf_config", None) or getattr(args, "model", None)):
+        return None
+    import torch  # here, not at the top: `atorch --help` and a validate without a model need no torch
+
     if getattr(args, "hf_config", None):
         from transformers import AutoConfig, AutoModelForCausalLM
 

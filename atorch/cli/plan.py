@@ -4,8 +4,6 @@ behind it (bytes per parameter, activation dtype) are printed above the table.""
 
 import sys
 
-import torch
-
 from atorch.cli.common import add_model_flags, build_model
 
 GIB = 2**30
@@ -95,6 +93,8 @@ def _model_state_rows(model, args, assumptions) -> list:
 
 
 def _candidate_rows(model, args, assumptions, memory) -> list:
+    import torch
+
     from atorch.auto.environment import DeviceContext
     from atorch.auto.model_states import model_states
     from atorch.auto.search import cost
