@@ -131,6 +131,9 @@ class StepCost:
     # time
     compute_dtype: str = "fp32"  # "fp32" or "half": which matmul rate applies
     passes: float = 3.0  # forward + backward in forwards' FLOPs (checkpointing adds one)
+    # operators run again in backward beyond ``passes``, as a share of the forward's, without their
+    # FLOPs: selective checkpointing recomputes the element-wise ones, not the matmuls
+    recomputed_op_share: float = 0.0
     compute_share: float = 1.0  # share of the model's FLOPs a rank runs
     # operators a rank dispatches per pass, as a multiple of one forward's: a pipeline stage runs
     # its share of the layers once per microbatch
@@ -256,7 +259,8 @@ class StepCost:
         compute = ((self.forward_flops - attention) / rate + attention / attention_rate) * self.passes \
             * self.compute_share
         # each operator's kernel costs the device a fixed time beyond its FLOPs (profile's kernel_seconds)
-        launches = self.forward_ops * self.passes * self.op_share * self.accumulation
+        op_passes = self.passes + self.recomputed_op_share
+        launches = self.forward_ops * op_passes * self.op_share * self.accumulation
         compute += launches * (self.profile.kernel_seconds if self.profile is not None else 0.0)
         # framework overhead per operator: calibrated on this machine, none in a datasheet profile;
         # on a GPU the host issues operators while earlier kernels run: the slower of the two counts
@@ -266,7 +270,7 @@ class StepCost:
             hooks = self.checkpointed_saves * self.profile.checkpoint_save_seconds
             if self.sync_in_hooks:
                 wrapped = sum(self.sync_calls.values()) * self.profile.wrapped_call_seconds
-        overhead = (self.forward_ops * self.passes * op_seconds + hooks) * self.op_share * self.accumulation + wrapped
+        overhead = (self.forward_ops * op_passes * op_seconds + hooks) * self.op_share * self.accumulation + wrapped
         compute = max(compute, overhead) if self.device_type == "cuda" else compute + overhead
         # what a collective can hide behind: each pass's compute, shared by the collectives in it
         hides = 0.0 if self.profile is None else self.profile.overlap

@@ -118,3 +118,24 @@ def test_selective_needs_the_non_reentrant_checkpoint():
 
     with pytest.raises(AtorchConfigError, match="selective=True needs no_reentrant=True"):
         Strategy([("checkpoint", {"selective": True, "no_reentrant": False})]).validate()
+
+
+def test_selective_is_costed_between_none_and_full_recompute():
+    """Full checkpointing runs the blocks' forward again (its FLOPs); selective runs only the
+    element-wise operators again (their launches, no matmul FLOPs): its estimated step lies
+    between, on a GPU profile."""
+    from atorch.auto.plan import resolve_strategy
+    from atorch.auto.search import cost
+    from atorch.auto.search.profiles import load_profile
+    from atorch.auto.strategy import Strategy
+    from tests.helpers.models import TinyTransformer
+
+    model = TinyTransformer()
+    seconds = {}
+    for name, methods in (("none", []), ("full", ["checkpoint"]), ("selective", [("checkpoint", {"selective": True})])):
+        strategy = resolve_strategy(model, Strategy(methods))
+        step = cost.build_cost(model, strategy, {"data": 1}, 2.0, 2**20, forward_flops=4e12, tokens=4096,
+                               device_type="cuda", forward_ops=400)
+        step.profile = load_profile("h100_80gb")
+        seconds[name] = step.seconds()
+    assert seconds["none"] < seconds["selective"] < seconds["full"], seconds
