@@ -37,7 +37,9 @@ def build_gpt2(config_path: str | None):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = (GPT2Config.from_json_file(config_path) if config_path
-              else GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4))
+              # GPT-2's bos/eos id (50256) is outside a 256-token vocabulary: the last id instead, as in GPT-2
+              else GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                              bos_token_id=255, eos_token_id=255))
     torch.manual_seed(0)
     return GPT2LMHeadModel(config)
 
