@@ -27,6 +27,10 @@ from atorch.utils.log import logger
 _PICKLE_SUFFIXES = (".pkl", ".pickle", ".pt", ".bin")
 
 
+# torch's dtypes by name, read once: a pickle naming torch.<anything else> is never looked up on
+# torch (its lazy attributes import submodules: torch._inductor took 17 s)
+_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+
 class ClassName(str):
     """A class reference read from a pickle, kept as its dotted name (never imported)."""
 
@@ -58,8 +62,8 @@ class _PlainData(pickle._Unpickler):  # the Python implementation: its opcodes c
             return _reconstructor
         if (module, name) in _CONTAINERS:
             return _CONTAINERS[(module, name)]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)  # a constant
+        if module == "torch" and name in _DTYPES:
+            return _DTYPES[name]  # a constant, looked up: getattr(torch, name) imports lazy submodules
         return ClassName(f"{module}.{name}")  # a name, never imported
 
     def persistent_load(self, pid):
