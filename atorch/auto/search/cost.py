@@ -139,6 +139,7 @@ class _SavedBytes:
         self.weights: set = {_storage_key(w) for w in weights}
         self._seen: set = set()
         self.packed = 0  # tensors saved (parameters and repeats included): what a checkpoint's hooks would see
+        self._kept: list[torch.Tensor] = []  # what selective checkpointing keeps (see kept)
 
     def pack(self, tensor: torch.Tensor):
         self.packed += 1
@@ -158,7 +159,9 @@ class _SavedBytes:
         for tensor in pytree.tree_leaves(output):
             if isinstance(tensor, torch.Tensor):
                 packed = self.packed
-                self.pack(tensor)
+                # kept alive with the counter, as pack's are with the graph: a freed storage's
+                # address could come back for a later output, which would then count as seen
+                self._kept.append(self.pack(tensor))
                 self.packed = packed  # not a tensor through the hooks
 
     def casts(self) -> "_WeightCasts":
