@@ -66,69 +66,36 @@ def _own_rows(x: torch.Tensor, axis: Axis, counts: list[int]) -> torch.Tensor:
     return x[start:start + counts[axis.rank]].contiguous()
 
 
-class _RowsToSlices(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis, counts):
-        ctx.axis, ctx.counts = axis, counts
-        return _rows_to_slices(x, axis, counts)
+class _Step(torch.autograd.Function):
+    """One regrouping step forward, its opposite on the gradient backward."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return _slices_to_rows(grad, ctx.axis, ctx.counts), None, None
-
-
-class _SlicesToRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, axis, counts):
-        ctx.axis, ctx.counts = axis, counts
-        return _slices_to_rows(y, axis, counts)
+    def forward(ctx, x, step, opposite, axis, counts):
+        ctx.opposite, ctx.axis, ctx.counts = opposite, axis, counts
+        return step(x, axis, counts)
 
     @staticmethod
     def backward(ctx, grad):
-        return _rows_to_slices(grad.contiguous(), ctx.axis, ctx.counts), None, None
-
-
-class _GatherRows(torch.autograd.Function):
-    # backward keeps this rank's rows: the layer's backward has already all-reduced the gradient
-    # of the gathered rows over this group (the block matmuls of its ranks share that input)
-    @staticmethod
-    def forward(ctx, x, axis, counts):
-        ctx.axis, ctx.counts = axis, counts
-        return _gather_rows(x, axis, counts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _own_rows(grad, ctx.axis, ctx.counts), None, None
-
-
-class _OwnRows(torch.autograd.Function):
-    # the rows are the same on every rank of this group (the output all-reduced over it), so the
-    # gradient of the whole is every rank's gradient of its own rows, gathered
-    @staticmethod
-    def forward(ctx, x, axis, counts):
-        ctx.axis, ctx.counts = axis, counts
-        return _own_rows(x, axis, counts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_rows(grad.contiguous(), ctx.axis, ctx.counts), None, None
+        return ctx.opposite(grad.contiguous(), ctx.axis, ctx.counts), None, None, None, None
 
 
 def rows_to_slices(x: torch.Tensor, axis: Axis, counts: list[int]) -> torch.Tensor:
     """Trade my rows' features for my feature slice of every rank's rows (backward: the reverse)."""
-    return x if axis.size == 1 else _RowsToSlices.apply(x.contiguous(), axis, counts)
+    return x if axis.size == 1 else _Step.apply(x.contiguous(), _rows_to_slices, _slices_to_rows, axis, counts)
 
 
 def slices_to_rows(y: torch.Tensor, axis: Axis, counts: list[int]) -> torch.Tensor:
     """Trade my feature slice of every rank's rows for my rows' whole features (backward: the reverse)."""
-    return y if axis.size == 1 else _SlicesToRows.apply(y.contiguous(), axis, counts)
+    return y if axis.size == 1 else _Step.apply(y.contiguous(), _slices_to_rows, _rows_to_slices, axis, counts)
 
 
 def gather_rows(x: torch.Tensor, axis: Axis, counts: list[int]) -> torch.Tensor:
-    """Every rank's rows (backward: this rank's rows of a gradient already summed over ``axis``)."""
-    return x if axis.size == 1 else _GatherRows.apply(x.contiguous(), axis, counts)
+    """Every rank's rows (backward: this rank's rows of a gradient already summed over ``axis``: the
+    layer's backward all-reduces it, the block matmuls of the group's ranks sharing that input)."""
+    return x if axis.size == 1 else _Step.apply(x.contiguous(), _gather_rows, _own_rows, axis, counts)
 
 
 def own_rows(x: torch.Tensor, axis: Axis, counts: list[int]) -> torch.Tensor:
-    """This rank's rows of rows the group holds in common (backward: gather every rank's gradient)."""
-    return x if axis.size == 1 else _OwnRows.apply(x, axis, counts)
+    """This rank's rows of rows the group holds in common (the output all-reduced over it); backward:
+    every rank's gradient of its own rows, gathered, is the gradient of the whole."""
+    return x if axis.size == 1 else _Step.apply(x, _own_rows, _gather_rows, axis, counts)
