@@ -39,14 +39,20 @@ from atorch.utils.optim import unwrap_optimizer
 PEAK_STEPS = 2
 
 
-def train_step(ctx: ModelContext, batch) -> torch.Tensor:
-    """One optimizer step the way a user's loop runs it with this context's result."""
-    batch = ctx.prepare_input(batch, ctx.device)
-    loss = ctx.loss_func(batch, run_model(ctx.model, batch, ctx.model_input_format))
-    loss = loss[0] if isinstance(loss, (tuple, list)) else loss
-    loop.backward(ctx.args, ctx.optim, loss)
-    loop.step(ctx.args, ctx.optim)
-    return loss
+def train_step(ctx: ModelContext, batches: list) -> None:
+    """One optimizer step the way a user's loop runs it with this context's result: one call per
+    batch the loader yields, as many as the strategy accumulates (gradient_accumulation)."""
+    for batch in batches:
+        batch = ctx.prepare_input(batch, ctx.device)
+        loss = ctx.loss_func(batch, run_model(ctx.model, batch, ctx.model_input_format))
+        loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+        loop.backward(ctx.args, ctx.optim, loss)
+        loop.step(ctx.args, ctx.optim)
+
+
+def _draw(ctx: ModelContext, batches) -> list:
+    """The loader's batches of one optimizer step."""
+    return [next(batches) for _ in range(ctx.args.get(loop.ACCUMULATION_STEPS, 1))]
 
 
 def _peak_bytes(ctx: ModelContext, step: Callable[[], None]) -> int | None:
@@ -155,10 +161,10 @@ def _dry_run(pristine, strategy, make_context, apply, warmup_steps, timed_steps,
     try:
         batches = itertools.cycle(ctx.dataloader) if len(ctx.dataloader) else iter(())
         for _ in range(warmup_steps):
-            train_step(ctx, next(batches))
+            train_step(ctx, _draw(ctx, batches))
         t0 = time.perf_counter()
         for _ in range(timed_steps):
-            train_step(ctx, next(batches))
+            train_step(ctx, _draw(ctx, batches))
             done += 1
             # Every rank learns the slowest rank's times, so all stop together.
             now = time.perf_counter()
@@ -174,8 +180,8 @@ def _dry_run(pristine, strategy, make_context, apply, warmup_steps, timed_steps,
             for _ in range(PEAK_STEPS if not late else 0):
                 # Drawn before the tracker starts: a sample can be a view of the dataset's whole
                 # storage (a dataset that slices one tensor), which would count as the step's.
-                batch = next(batches)
-                step_peak = _peak_bytes(ctx, functools.partial(train_step, ctx, batch))
+                drawn = _draw(ctx, batches)
+                step_peak = _peak_bytes(ctx, functools.partial(train_step, ctx, drawn))
                 peak = None if step_peak is None else max(peak or 0, step_peak)
                 if step_peak is None:
                     break  # the tracker failed: no peak
