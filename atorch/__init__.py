@@ -6,9 +6,8 @@
                                                       load_strategy=["parallel_mode", "amp_native"])
 """
 
-import importlib
-
 from atorch.errors import AtorchConfigError
+from atorch.utils.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -26,21 +25,8 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    try:  # a submodule not imported yet: atorch.auto, atorch.checkpoint, ...
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as error:
-        if error.name != f"{__name__}.{name}":
-            raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "AtorchConfigError",

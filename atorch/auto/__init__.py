@@ -1,6 +1,6 @@
 """The auto_accelerate front door, strategies and the method registry."""
 
-import importlib
+from atorch.utils.lazy import lazy_exports
 
 # Imported on first use (PEP 562): `atorch.auto.validate` or `atorch.auto.strategy` (what the
 # `atorch` command needs) load without the whole auto_accelerate stack.
@@ -23,21 +23,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    try:  # a submodule not imported yet
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as error:
-        if error.name != f"{__name__}.{name}":
-            raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 
 __all__ = [
