@@ -1,7 +1,17 @@
 """Pipeline parallelism: a model split into stages over ranks, microbatches run by a schedule."""
 
-from atorch.pipeline.eligibility import pipeline_eligibility
-from atorch.pipeline.layouts import Layout, register_layout
-from atorch.pipeline.model import PipelineModel
+from atorch.utils.lazy import lazy_exports
+
+# Imported on first use: atorch.pipeline.model imports torch.distributed.pipelining (and with it
+# torch._dynamo, 0.5 s), which the method registry (`atorch validate`) does not need.
+_LAZY = {
+    "Layout": "atorch.pipeline.layouts",
+    "PipelineModel": "atorch.pipeline.model",
+    "pipeline_eligibility": "atorch.pipeline.eligibility",
+    "register_layout": "atorch.pipeline.layouts",
+}
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
+
 
 __all__ = ["Layout", "PipelineModel", "pipeline_eligibility", "register_layout"]

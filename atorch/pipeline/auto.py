@@ -13,7 +13,6 @@ from pydantic import Field
 from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
 from atorch.errors import MethodConfigError
-from atorch.pipeline.model import PipelineModel
 from atorch.pipeline.schedules import SCHEDULES, check_schedule
 
 
@@ -51,6 +50,8 @@ def _first(loss):
 
 def pipeline_model(ctx: ModelContext, config: PipelineFields, method: str, stage_transform=None) -> None:
     """Replace ``ctx.model`` with a PipelineModel over ``ctx.topology``; adjust loss and args."""
+    from atorch.pipeline.model import PipelineModel  # torch.distributed.pipelining: not at registry load
+
     if ctx.model_input_format not in (None, "unpack_dict"):
         raise MethodConfigError(
             f"pipeline methods call the model with the batch's fields as keyword arguments; model_input_format "

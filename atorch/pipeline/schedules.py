@@ -13,16 +13,17 @@ each stage lives.
 """
 
 import torch
-from torch.distributed import pipelining
 
 from atorch.errors import MethodConfigError
 
+# The torch.distributed.pipelining class of each, by name: that package imports torch._dynamo
+# (0.5 s), imported in build_schedule, not when the method registry loads.
 SCHEDULES = {
-    "gpipe": pipelining.ScheduleGPipe,
-    "1f1b": pipelining.Schedule1F1B,
-    "interleaved": pipelining.ScheduleInterleaved1F1B,
-    "zero_bubble": pipelining.ScheduleInterleavedZeroBubble,
-    "zbv": pipelining.ScheduleZBVZeroBubble,
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
 }
 # Schedules whose torch class takes one stage, not a list.
 SINGLE_STAGE = ("gpipe", "1f1b")
@@ -57,7 +58,9 @@ def local_stage_indices(schedule: str, pp_rank: int, pp_size: int, virtual_pipel
 
 def build_schedule(schedule: str, stages: list, num_microbatches: int, loss_fn):
     """The torch schedule object over this rank's ``PipelineStage`` objects."""
-    cls = SCHEDULES[schedule]
+    from torch.distributed import pipelining
+
+    cls = getattr(pipelining, SCHEDULES[schedule])
     # scale_grads: gradients are divided by the number of microbatches, so a per-microbatch mean
     # loss gives the gradient of the mean over the whole batch, as in the serial model.
     try:

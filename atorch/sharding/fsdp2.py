@@ -2,11 +2,16 @@
 size, or trainability; shared by the fsdp and zero2 methods."""
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+# torch.distributed.fsdp imports torch.distributed.tensor and torch._dynamo (0.5 s): imported in
+# the functions that shard, not when the method registry loads (`atorch validate`).
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from atorch.auto.config_types import class_matches
 
@@ -143,13 +148,15 @@ def shard_model(
     units: Sequence[str | tuple[str, ...]],
     *,
     reshard_after_forward: bool = True,
-    mp_policy: MixedPrecisionPolicy | None = None,
+    mp_policy: "MixedPrecisionPolicy | None" = None,
     cpu_offload: bool = False,
     ignored: set[torch.nn.Parameter] = frozenset(),
     forward_prefetch: bool = False,
 ) -> torch.nn.Module:
     """Shard ``units`` (innermost first; a tuple of names is one unit) and then the root over
     ``mesh``; return the root."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
     kwargs = {
         "mesh": mesh,
         "reshard_after_forward": reshard_after_forward,
@@ -190,5 +197,7 @@ def local_shard_step(ctx, method: str) -> None:
                     "it steps over the DTensors (slower, same result)", method, type(optim).__name__)
 
 
-def mixed_precision(param_dtype, reduce_dtype, output_dtype) -> MixedPrecisionPolicy:
+def mixed_precision(param_dtype, reduce_dtype, output_dtype) -> "MixedPrecisionPolicy":
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=output_dtype)
