@@ -331,5 +331,10 @@ class StepCost:
             span *= size
             if name in dims:
                 reached, members = span, members * size
+        if reached <= self.profile.gpus_per_node:
+            # inside one node a group runs at its own size's measured rate: the data group of
+            # pipeline=2 x data=2 is 2 ranks 2 apart, not the 4 its ranks span (its 20 all-reduces
+            # were costed at 4 ranks' latency, 7x the 2 ranks')
+            reached = members
         link = self.profile.link(reached, kind, members)
         return link.bandwidth, link.latency
