@@ -83,11 +83,15 @@ def accumulation_steps(value: Any) -> int:
 
 
 def setup_accumulation(args: dict, model: torch.nn.Module, steps: int) -> None:
-    """Check ``steps`` against the applied strategy (refused where it would be wrong); start the count."""
+    """Check ``steps`` against the applied strategy (refused where it would be wrong); start the count.
+
+    Called by the gradient_accumulation method, then with auto_accelerate's
+    ``gradient_accumulation_steps``: the two multiply."""
     from atorch.errors import AtorchConfigError
 
     if steps == 1:
         return
+    steps *= args.get(ACCUMULATION_STEPS, 1)  # the gradient_accumulation method's, when it ran
     why = _accumulation_unsupported(args, model)
     if why is not None:
         raise AtorchConfigError(f"gradient_accumulation_steps={steps} is not supported here: {why}")

@@ -142,7 +142,9 @@ class MethodSpec:
     layouts: Callable[[int], Iterable[tuple[dict[str, int], dict]]] | None = None
     # ``ineligible(model, config, job)``: why this model cannot run the method on the layout of
     # ``job`` (heads the tensor size does not divide, fewer blocks than stages...), or None.
-    # The search reports each ineligible layout with this reason and never builds it.
+    # The search reports each ineligible layout with this reason and never builds it; for a
+    # method that is not a layout method (gradient_accumulation: steps that divide a rank's
+    # batch), the search leaves out its combinations with the layouts it cannot run on.
     ineligible: Callable[[Any, MethodConfig, LayoutJob], str | None] | None = None
 
 
@@ -157,6 +159,9 @@ class MethodSpec:
 
 # The reason shared by the sharding methods' conflicts with each other.
 ONE_SHARDING = "each shards the model or optimizer over the data-parallel ranks on its own; pick one"
+# Why DeepSpeed's ZeRO engines refuse gradient_accumulation (the engine runs its own backward and step).
+DS_ACCUMULATES = ("DeepSpeed's engine runs its own backward and step; use zero1/zero2 without use_ds_zero, or "
+                  "fsdp, which accumulate")
 
 _REGISTRY: dict[str, MethodSpec] = {}
 

@@ -14,6 +14,8 @@ STEP_CHANGING = {
     "pipeline_parallel": "a pipeline schedule runs forward and backward inside the model call",
     "mixed_parallel": "its pipeline schedule runs forward and backward inside the model call",
     "ds_3d_parallel": "DeepSpeed's pipeline engine runs the whole step inside the model call",
+    "gradient_accumulation": "it splits atorch's dataloader's batches and steps every n backwards; set the "
+                             "trainer's own gradient accumulation instead",
 }
 SUPPORTED = ("parallel_mode (DDP), zero1 and zero2 (PyTorch or fairscale, not use_ds_zero), fsdp, "
              "tensor_parallel, sequence_parallel, amp_native with bf16, half, checkpoint, module_replace, "

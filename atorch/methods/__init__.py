@@ -11,6 +11,7 @@ from atorch.methods import (  # noqa: F401
     fp8,
     fsdp,
     genomic_bottleneck,
+    gradient_accumulation,
     half,
     mixed_parallel,
     module_replace,

@@ -10,7 +10,7 @@ from pydantic import Field
 
 from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import ONE_SHARDING, MethodSpec, Stage, register_method
+from atorch.auto.registry import DS_ACCUMULATES, ONE_SHARDING, MethodSpec, Stage, register_method
 from atorch.methods.parallel_mode import DDP_BUCKET_BYTES
 from atorch.sharding.deepspeed import deepspeed_unavailable, wrap_deepspeed, zero_memory_terms
 from atorch.sharding.deepspeed_config import TRUSTED_DESCRIPTION, StrategyDsConfig, TrustedField, merged
@@ -69,10 +69,17 @@ def _unsupported(device_ctx, config: Zero1Config) -> str | None:
     return deepspeed_unavailable() if config.use_ds_zero else None
 
 
+def _conflicts(config: Zero1Config) -> dict[str, str]:
+    out = {"zero2": ONE_SHARDING, "fsdp": ONE_SHARDING}
+    if config.use_ds_zero:
+        out["gradient_accumulation"] = DS_ACCUMULATES
+    return out
+
+
 def cost_term(config: Zero1Config, cost) -> None:
     cost.shard_over_data(params=False, grads=False, optim=True)
     # a pipeline model averages its stages' gradients itself (pipeline_terms), with no DDP
-    pipelined = "pipeline_parallel" in cost.methods
+    pipelined = bool({"pipeline_parallel", "mixed_parallel"} & set(cost.methods))
     cost.grad_buckets = not config.use_ds_zero and not pipelined  # DeepSpeed's engine replaces DDP
     if not config.use_ds_zero:
         # ZeroRedundancyOptimizer hands out whole tensors: some rank holds the largest one (often
@@ -102,7 +109,7 @@ register_method(
         description="ZeRO-1: optimizer state sharded over data-parallel ranks",
         distributed_only=True,
         needs_data_parallel=True,
-        conflicts={"zero2": ONE_SHARDING, "fsdp": ONE_SHARDING},
+        conflicts=_conflicts,
         unsupported=_unsupported,
         search_space=({},),
         saves_memory=True,

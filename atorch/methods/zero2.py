@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 
 from atorch.auto.config_types import MethodConfig, class_name
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import ONE_SHARDING, MethodSpec, Stage, register_method
+from atorch.auto.registry import DS_ACCUMULATES, ONE_SHARDING, MethodSpec, Stage, register_method
 from atorch.methods.fsdp import accumulation_terms, compute_dtype_share, mixed_precision_from
 from atorch.sharding import fsdp2
 from atorch.sharding.deepspeed import deepspeed_unavailable, wrap_deepspeed, zero_memory_terms
@@ -88,6 +88,16 @@ def wrap_optimizer(ctx: ModelContext, config: Zero2Config) -> None:
 def wrap_ds(ctx: ModelContext, config: Zero2Config) -> None:
     if config.use_ds_zero:
         wrap_deepspeed(ctx, stage=2, user_config=merged(config))
+
+
+def _conflicts(config: Zero2Config) -> dict[str, str]:
+    out = {"zero1": ONE_SHARDING, "fsdp": ONE_SHARDING}
+    if config.use_ds_zero:
+        out["gradient_accumulation"] = DS_ACCUMULATES
+    elif config.not_use_fsdp:
+        out["gradient_accumulation"] = ("fairscale's ShardedDataParallel reduces on every backward; zero2 on FSDP2 "
+                                        "(the default) accumulates")
+    return out
 
 
 def _absorbs(config: Zero2Config) -> dict[str, str]:
@@ -183,7 +193,7 @@ register_method(
         description="ZeRO-2: gradients and optimizer state sharded over data-parallel ranks",
         distributed_only=True,
         needs_data_parallel=True,
-        conflicts={"zero1": ONE_SHARDING, "fsdp": ONE_SHARDING},
+        conflicts=_conflicts,
         absorbs=_absorbs,
         variants=({"not_use_fsdp": True}, {"use_ds_zero": True}),
         unsupported=_unsupported,

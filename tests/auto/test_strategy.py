@@ -28,6 +28,7 @@ ATORCH_FORMS = {
     "mixed_parallel": {"num_microbatches": 2, "tensor_size": 2, "pipeline_size": 2},
     "ds_3d_parallel": {"num_microbatches": 2, "partition_method": "uniform", "ds_config": {"steps_per_print": 10}},
     "genomic_bottleneck": {"tile_size": 32, "gnet_width": 8, "ignore_layers": ["head"], "optimizer": "sgd", "lr": 0.1},
+    "gradient_accumulation": {"steps": 4},
     "fsdp": {"atorch_wrap_cls": (Block,), "param_dtype": torch.bfloat16, "atorch_size_based_min_num_params": 10,
              "atorch_ignored_cls": ["LayerNorm"], "wrap_trainable_outmost": True, "reshard_after_forward": False},
 }

@@ -102,8 +102,8 @@ def step_traffic(model, load_strategy, dataset, batch_size: int = 8, loss_func=N
                                    gradient_accumulation_steps=accumulation)
     batches = iter(result.dataloader)
 
-    def step():
-        for _ in range(accumulation):
+    def step():  # the loader's batches of one optimizer step (gradient_accumulation splits them too)
+        for _ in range(result.args.get("gradient_accumulation_steps", 1)):
             batch = result.prepare_input(next(batches), torch.device("cpu"))
             loss = result.loss_func(batch, result.model(**batch))
             result.backward(loss)
