@@ -13,7 +13,7 @@ from atorch.auto.context import ModelContext
 from atorch.auto.environment import DeviceContext
 from atorch.auto.plan import resolve_strategy
 from atorch.auto.registry import all_methods, get_method
-from atorch.auto.search import cost
+from atorch.auto.search import cost, stop
 from atorch.auto.search.agree import agreed, from_rank0, set_timeout
 from atorch.auto.search.calibrate import cached_rates
 from atorch.auto.search.dryrun import collector_frozen, dry_run
@@ -175,7 +175,7 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
         if base is None:
             layouts, ineligible = layout_space(model, device_ctx, global_batch, probe_ctx.model_input_format,
                                                excluded, included)
-        candidates = candidate_space(device_ctx, excluded, included, base, layouts, counts)
+        candidates = candidate_space(device_ctx, excluded, included, base, layouts, counts, model, global_batch)
         counts["generated"] += len(ineligible)
     state_factor = cost.optimizer_state_factor(probe_ctx.optim_func, probe_ctx.optim_args)
     # The step's cost per byte on this device: sharding the optimizer state divides it (zero1 on a CPU).
@@ -338,11 +338,19 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
         result.seconds = (result.seconds or 0.0) + outcome["seconds"]
         return outcome
 
+    stopped = 0  # candidates left that the estimate's measured error says cannot win
     for index, (strategy, result) in enumerate(to_run, 1):
         if only is None:
             # A twin measured to fit proves what its estimate could not: the twin rules apply again.
             _prune_twins(results, fits, pending={id(result)})
             if result.reason is not None:
+                continue
+            # The estimate's error as the dry runs so far measured it: a candidate that cannot beat
+            # the best measured step is not dry-run (to_run is fastest estimate first).
+            why = stop.check(result, [r for _, r in results], global_batch)
+            if why is not None:
+                result.reason, result.pruned_by = why, stop.CANNOT_WIN
+                stopped += 1
                 continue
         # Rank 0's clock decides for everyone. A candidate starts only if one like the last fits
         # in the time left, and its timed steps stop at the limit: time_limit is a promise.
@@ -367,6 +375,8 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
         _judge(result, options)
         if result.status == MEASURED and result.measured_peak_bytes is not None:
             fits.add(id(strategy))
+    if stopped:
+        report.stopped = stop.stop_note(stopped, sum(1 for _, r in results if r.status in (MEASURED, FAILED)))
     close = _close_call(results) if only is None and not timed_out else []
     for round_ in range(RETIME_ROUNDS):
         if not close or (round_ and _settled(close)):
@@ -395,7 +405,7 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
     report.candidates = [r for _, r in results]
     report.generated = counts["generated"]
     pruned = Counter(r.pruned_by or "other" for r in report.candidates if r.status == PRUNED)
-    pruned.update({rule: counts[rule] for rule in ("conflicting", "symmetric") if counts[rule]})
+    pruned.update({rule: counts[rule] for rule in ("conflicting", "symmetric", "ineligible") if counts[rule]})
     report.pruned = dict(pruned.most_common())
     report.dry_run = sum(1 for r in report.candidates if r.status in (MEASURED, FAILED))
     winner = _pick_winner(results)

@@ -10,6 +10,7 @@ from atorch.auto.environment import DeviceContext
 from atorch.auto.plan import plan_strategy
 from atorch.auto.registry import LayoutJob, all_methods, get_method
 from atorch.auto.strategy import Strategy, make_config
+from atorch.distributed.topology import DATA_PARALLEL_DIMS
 from atorch.errors import AtorchConfigError
 
 
@@ -82,6 +83,8 @@ def candidate_space(
     base: Strategy | None = None,
     layouts: list[Layout] | None = None,
     counts: Counter | None = None,
+    model=None,
+    global_batch: int | None = None,
 ) -> list[Strategy]:
     """Every distinct strategy the search may try, simplest first.
 
@@ -91,8 +94,10 @@ def candidate_space(
     never appear. With ``base`` (finetune_strategy), only ``base``'s methods appear, each always
     on, with its loaded config or one from its search space, on ``base``'s layout. Combinations
     that conflict, or that planning changes (a method this job cannot run), are left out or
-    merged with their planned form; ``counts`` (when given) counts them as ``conflicting`` and
-    ``symmetric``, and every combination as ``generated``.
+    merged with their planned form; so are those a method's ``ineligible`` refuses on the layout
+    (gradient_accumulation's steps that do not divide a rank's share of ``global_batch``);
+    ``counts`` (when given) counts them as ``conflicting``, ``symmetric`` and ``ineligible``, and
+    every combination as ``generated``.
     """
     excluded, included = set(excluded or []), set(included or [])
     counts = Counter() if counts is None else counts
@@ -122,6 +127,9 @@ def candidate_space(
             counts["generated"] += 1
             methods = layout.strategy().items()
             methods += [(name, config) for (name, _), config in zip(choices, combo) if config is not None]
+            if _refused_on(_dims_of(layout, device_ctx.world_size), methods, model, global_batch):
+                counts["ineligible"] += 1
+                continue
             try:
                 planned, _ = plan_strategy(Strategy(methods), device_ctx)
             except AtorchConfigError:
@@ -136,6 +144,28 @@ def candidate_space(
                 continue
             seen.append(planned)
     return sorted(seen, key=len)
+
+
+def _dims_of(layout, world: int) -> dict[str, int]:
+    """A layout's parallel dims; data parallelism over every rank when it names none."""
+    if isinstance(layout, Layout):
+        dims = dict(layout.dims)
+    else:
+        mode = layout.strategy().get("parallel_mode")
+        dims = dict(mode.dims) if mode is not None and mode.dims else {}
+    return dims or {"data": world}
+
+
+def _refused_on(dims: dict[str, int], methods: list, model, global_batch: int | None) -> bool:
+    """Whether a method that is not a layout method refuses the layout of ``dims`` (its ``ineligible``)."""
+    data = math.prod(size for name, size in dims.items() if name in DATA_PARALLEL_DIMS)
+    job = LayoutJob(dims, global_batch // data if global_batch else None)
+    for name, config in methods:
+        spec = get_method(name)
+        if spec.layouts is None and spec.ineligible is not None and name != "parallel_mode":
+            if spec.ineligible(model, make_config(name, config), job) is not None:
+                return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -161,6 +191,10 @@ def method_labels(methods) -> list[str]:
     default says which (``checkpoint (selective)``), so two rows never read the same."""
     labels = []
     for name, config in methods:
-        selective = config.get("selective") if isinstance(config, dict) else getattr(config, "selective", False)
-        labels.append(f"{name} (selective)" if name == "checkpoint" and selective else name)
+        field = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+        if name == "checkpoint" and field("selective", False):
+            name = "checkpoint (selective)"
+        elif name == "gradient_accumulation":
+            name = f"gradient_accumulation x{field('steps', 2)}"
+        labels.append(name)
     return labels
