@@ -24,6 +24,8 @@ VARIANTS = {
     "amp_native": ("amp_native", {"dtype": "bf16"}),
     "half": ("half", {"dtype": "bf16"}),
     "checkpoint": ("checkpoint", {}),
+    "checkpoint_selective": ("checkpoint", {"selective": True}),
+    "gradient_accumulation": ("gradient_accumulation", {"steps": 2}),
     # aot_eager: dynamo's capture and AOT autograd, without inductor's minutes of C++ compiling.
     "native_dynamo": ("native_dynamo", {"backend": "aot_eager"}),
     "zero1": ("zero1", {}),
@@ -204,11 +206,15 @@ def train_case(case: tuple[str, ...], world: int, checkpoint_dir: str | None = N
     dtypes = _record_dtypes(result.model)
     losses, it = [], iter(result.dataloader)
     for _ in range(STEPS):
-        batch = result.prepare_input(next(it), torch.device("cpu"))
-        loss = result.loss_func(batch, result.model(**batch))
-        result.backward(loss)  # the same two calls under every composition
-        result.step()
-        losses.append(global_mean(loss))
+        micro, stepped = [], False  # a step's losses: one, or gradient_accumulation's micro-batches'
+        while not stepped:
+            batch = result.prepare_input(next(it), torch.device("cpu"))
+            loss = result.loss_func(batch, result.model(**batch))
+            result.backward(loss)  # the same two calls under every composition
+            stepped = result.sync_gradients
+            result.step()
+            micro.append(global_mean(loss))
+        losses.append(sum(micro) / len(micro))
     gathered = [sorted(dtypes)]
     if dist.is_initialized():  # pipeline stages each see their own layers
         gathered = [None] * dist.get_world_size()

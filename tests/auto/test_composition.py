@@ -148,6 +148,7 @@ DEFAULT_PAIRS = [
     ("native_dynamo", "zero2"), ("native_dynamo", "tensor_parallel"),
     ("zero1", "module_replace"), ("module_replace", "mixed_parallel"),
     ("fsdp", "amp_native"), ("pipeline_parallel", "checkpoint"),
+    ("checkpoint_selective", "tensor_parallel"), ("gradient_accumulation", "fsdp"),
 ]
 
 
