@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from atorch.utils.log import logger
+from atorch.utils.optim import OptimizerWrapper
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -53,10 +53,11 @@ class ScaledLossFunc:
         )
 
 
-class AmpOptimizer:
+class AmpOptimizer(OptimizerWrapper):
     """An optimizer that steps through a GradScaler (fp16) or skips non-finite steps (bf16).
 
-    Everything else (``param_groups``, ``zero_grad``, ``state``, ...) is the wrapped optimizer's.
+    Everything else (``param_groups``, ``zero_grad``, ``state``, ...) is the wrapped optimizer's
+    (:class:`atorch.utils.optim.OptimizerWrapper`).
     To clip gradients with fp16, call :meth:`unscale_` first, as with a plain GradScaler.
     """
 
@@ -67,7 +68,7 @@ class AmpOptimizer:
         skip_if_nonfinite: bool,
         sync_group: dist.ProcessGroup | None = None,
     ):
-        self.optimizer = optimizer
+        super().__init__(optimizer)
         self.scaler = scaler
         self.skip_if_nonfinite = skip_if_nonfinite
         # Ranks whose gradients may differ (shards): they must agree on skipping a step.
@@ -112,6 +113,10 @@ class AmpOptimizer:
 
     def _grads_finite(self) -> bool:
         """True when every gradient on every rank of ``sync_group`` is finite."""
+        # Here, not at the top: torch.distributed.tensor imports torch._dynamo (0.4 s), which
+        # `atorch validate` (the method registry) does not need.
+        from torch.distributed.tensor import DTensor
+
         grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         finite = torch.stack([torch.isfinite(g).all() for g in local]).all() if local else torch.tensor(True)
@@ -125,17 +130,6 @@ class AmpOptimizer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
     def state_dict(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict()}
         if self.scaler is not None:
@@ -146,10 +140,6 @@ class AmpOptimizer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and "grad_scaler" in state:
             self.scaler.load_state_dict(state["grad_scaler"])
-
-    def __getattr__(self, name: str):
-        # Only reached for attributes not defined here: defer to the wrapped optimizer.
-        return getattr(self.__dict__["optimizer"], name)
 
     def __repr__(self) -> str:
         return f"AmpOptimizer({self.optimizer!r}, fp16_scaler={self.scaler is not None})"
