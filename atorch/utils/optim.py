@@ -31,3 +31,40 @@ def unwrap_optimizer(optim: Any) -> Any:
     for inner in wrapper_chain(optim):
         pass
     return inner
+
+
+class OptimizerWrapper:
+    """Base of an optimizer wrapper: the wrapped optimizer is ``self.optimizer``; its
+    ``param_groups``, ``state``, ``zero_grad``, ``state_dict`` and every attribute the subclass
+    does not define are the wrapped optimizer's. A subclass overrides ``step`` (and what it adds
+    to the state)."""
+
+    def __init__(self, optimizer: Any):
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes not defined here: defer to the wrapped optimizer. Through
+        # vars(): while unpickling, before ``optimizer`` is set, this raises AttributeError.
+        if "optimizer" not in vars(self):
+            raise AttributeError(name)
+        return getattr(vars(self)["optimizer"], name)

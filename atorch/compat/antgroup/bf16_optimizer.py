@@ -6,8 +6,10 @@ fsdp/ZeRO; this front does the same, so the weights keep updates smaller than bf
 
 import torch
 
+from atorch.utils.optim import OptimizerWrapper
 
-class BF16Optimizer:
+
+class BF16Optimizer(OptimizerWrapper):
     """Wraps an optimizer built over half-precision parameters: it steps fp32 copies of them
     (the master weights) and copies the result back into the model.
 
@@ -19,7 +21,7 @@ class BF16Optimizer:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
+        super().__init__(optimizer)
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (model parameter, fp32 master)
         for group in optimizer.param_groups:
             for index, param in enumerate(group["params"]):
@@ -55,14 +57,6 @@ class BF16Optimizer:
     def master_params(self) -> list[torch.Tensor]:
         return [master for _, master in self._pairs]
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "master": [m.detach().clone() for m in self.master_params]}
 
@@ -72,6 +66,3 @@ class BF16Optimizer:
             for (param, master), saved in zip(self._pairs, state["master"], strict=True):
                 master.copy_(saved)
                 param.copy_(saved)
-
-    def __getattr__(self, name):
-        return getattr(self.optimizer, name)
