@@ -73,7 +73,15 @@ def _conflicts(config: Zero1Config) -> dict[str, str]:
     out = {"zero2": ONE_SHARDING, "fsdp": ONE_SHARDING}
     if config.use_ds_zero:
         out["gradient_accumulation"] = DS_ACCUMULATES
+        # deepspeed.initialize takes the pipeline model as one module and its ZeRO step found no
+        # gradients it had reduced (KeyError in scaled_global_norm, pipeline 2 x data 2)
+        out.update(dict.fromkeys(("pipeline_parallel", "mixed_parallel"), PIPELINE_DS_ZERO))
     return out
+
+
+PIPELINE_DS_ZERO = ("DeepSpeed's ZeRO engine runs its own backward and gradient reduction, where a pipeline schedule "
+                    "runs backward inside the model call and averages the stages' gradients itself; use zero1 "
+                    "without use_ds_zero (ZeroRedundancyOptimizer over each stage's data ranks)")
 
 
 def cost_term(config: Zero1Config, cost) -> None:
@@ -110,6 +118,7 @@ register_method(
         distributed_only=True,
         needs_data_parallel=True,
         conflicts=_conflicts,
+        variants=({"use_ds_zero": True},),
         unsupported=_unsupported,
         search_space=({},),
         saves_memory=True,

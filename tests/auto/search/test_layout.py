@@ -71,6 +71,7 @@ def test_the_space_lists_tensor_and_pipeline_layouts_and_says_why_others_cannot_
     # 2 virtual stages a rank (interleaved 1F1B) need 4 stages of the 2 layers even on pipeline=2
     virtual = {f"pipeline={p}{' x data=2' if p == 2 else ''}, microbatches={m}, virtual stages=2"
                for p in (2, 4) for m in (p, 2 * p)}
+    virtual |= {f"tensor=2 x pipeline=2, microbatches={m}, virtual stages=2" for m in (2, 4)}  # mixed_parallel
     assert set(reasons) == {"tensor=4", "pipeline=4, microbatches=4", "pipeline=4, microbatches=8"} | virtual
     assert "6 heads do not divide over 4 ranks" in reasons["tensor=4"]
     assert "4 stages but the model has 2 layers" in reasons["pipeline=4, microbatches=4"]
