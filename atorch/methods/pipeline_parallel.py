@@ -285,7 +285,8 @@ def pipeline_terms(cost, config: PipelineFields, stages: int) -> None:
     # the gradients back: 4 sends and receives, 2 at the pipeline's first and last stage. The
     # busiest rank: a middle one (4 v), or with 2 ranks either (4 v - 2). Counted on 4 gloo ranks
     # (tests/methods/test_mixed_parallel_virtual.py): 2 v had been charged, 12 against 8 for
-    # tensor=2 x pipeline=2 with 2 virtual stages and 2 microbatches, 8 against 4 on pipeline=4.
+    # tensor=2 x pipeline=2 with 2 virtual stages and 2 microbatches, 16 against 8 for a middle
+    # rank of pipeline=4 with 4.
     hops = 4 * v - (2 if stages == 2 else 0)
     cost.comms.append(Comm("pipeline", hops * cost.tokens * width, hops * m, kind="send_recv"))
 
