@@ -246,6 +246,11 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
             results.append((strategy, CandidateResult(strategy.to_dict(), reason=DUPLICATE, layout=text,
                                                       pruned_by=SYMMETRIC)))
             continue
+        saver = None if only is not None else _memory_only_twin_fits(strategy, results, ratios, budget, ratio)
+        if saver is not None:  # what _prune_twins would prune, not estimated (nor probed) at all
+            results.append((strategy, CandidateResult(strategy.to_dict(), reason=_memory_only_reason(saver),
+                                                      layout=text, pruned_by=MEMORY_ONLY)))
+            continue
         if results and late:
             timed_out = True
             results.append((strategy, CandidateResult(strategy.to_dict(), reason="not estimated: time_limit reached",
@@ -482,8 +487,7 @@ def _prune_twins(results, fits: set[int], pending: set[int] | None = None) -> No
             if twin is None or id(twin[0]) not in fits:
                 continue
             if get_method(name).memory_only:
-                result.reason = f"{name} only saves memory, and the same strategy without it fits the budget"
-                result.pruned_by = MEMORY_ONLY
+                result.reason, result.pruned_by = _memory_only_reason(name), MEMORY_ONLY
                 break
             slower = _slower_by(result, twin[1])
             if slower is not None and get_method(name).layouts is None:
@@ -491,6 +495,25 @@ def _prune_twins(results, fits: set[int], pending: set[int] | None = None) -> No
                                  f"strategy without it fits the budget")
                 result.pruned_by = SLOWER
                 break
+
+
+def _memory_only_reason(name: str) -> str:
+    return f"{name} only saves memory, and the same strategy without it fits the budget"
+
+
+def _memory_only_twin_fits(strategy: Strategy, results, ratios: dict, budget: int, ratio) -> str | None:
+    """A method of ``strategy`` that only saves memory (checkpoint, gradient_accumulation) whose
+    twin, the strategy without it, already surely fits by its estimate: then ``strategy`` cannot
+    win and need not be estimated. Candidates come simplest first, so the twin came before."""
+    for name in strategy.opt_names:
+        if not get_method(name).memory_only:
+            continue
+        without = strategy.without(name)
+        twin = next((r for s, r in results if s == without), None)
+        if twin is not None and twin.reason is None and twin.estimated_peak_bytes is not None \
+                and cost.surely_fits(twin.estimated_peak_bytes, budget, ratios.get(id(twin), ratio)):
+            return name
+    return None
 
 
 def _slower_by(result, twin) -> float | None:
