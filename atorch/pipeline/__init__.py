@@ -7,6 +7,7 @@ from atorch.utils.lazy import lazy_exports
 _LAZY = {
     "Layout": "atorch.pipeline.layouts",
     "PipelineModel": "atorch.pipeline.model",
+    "PipelineStepError": "atorch.pipeline.failure",
     "pipeline_eligibility": "atorch.pipeline.eligibility",
     "register_layout": "atorch.pipeline.layouts",
 }
@@ -14,4 +15,4 @@ _LAZY = {
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 
-__all__ = ["Layout", "PipelineModel", "pipeline_eligibility", "register_layout"]
+__all__ = ["Layout", "PipelineModel", "PipelineStepError", "pipeline_eligibility", "register_layout"]

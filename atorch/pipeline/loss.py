@@ -50,13 +50,12 @@ def pick_loss(output: Any, spec: Any) -> torch.Tensor:
     return output[marked[0]]
 
 
-def reduce_losses(losses, topology, last_group_rank: int, num_microbatches: int, per_microbatch: bool,
+def reduce_losses(losses, topology, group, last_group_rank: int, num_microbatches: int, per_microbatch: bool,
                   broadcast: bool):
     """The loss a rank returns from run_train/run_eval (see PipelineModel.run_train): ``losses`` on
-    the rank holding the last stage, ``None`` elsewhere."""
+    the rank holding the last stage, ``None`` elsewhere; ``group``: the pipeline's."""
     value = None if losses is None else torch.stack([loss.detach().float() for loss in losses])
     if broadcast:
-        group = topology.group("pipeline")
         if value is None:
             value = torch.zeros(num_microbatches)
         if group is not None and dist.get_world_size(group) > 1:

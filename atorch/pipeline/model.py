@@ -17,6 +17,8 @@ from torch.distributed.pipelining import PipelineStage
 
 from atorch.distributed.topology import Topology
 from atorch.errors import MethodConfigError, NotSupportedError, WorldSizeError
+from atorch.pipeline import failure
+from atorch.pipeline.failure import PipelineStepError
 from atorch.pipeline.layouts import layout_for
 from atorch.pipeline.loss import pick_loss, reduce_losses, split_batch
 from atorch.pipeline.partition import balanced_ranges, ranges_from_cuts
@@ -91,6 +93,10 @@ class PipelineModel(nn.Module):
                 raise MethodConfigError(f"transformer_layer_cls {transformer_layer_cls.__name__} matches none of the "
                                         f"model's units {self.layout.units}")
         self.stage_units = self._partition(module, pipeline_cuts, auto_partition, layers)
+        # The schedule's sends and receives, the tied weights' and the loss's collectives: on a group
+        # of the model's own where the pipeline spans the world, so that a failed step, which closes
+        # the group (atorch.pipeline.failure), never closes the default group.
+        self.pipeline_group = failure.own_group(self.topology.group("pipeline"))
         self.ties = _tied_parameters(module, self.stage_units)
         self.local_stage_ids = local_stage_indices(self.schedule_name, pp_rank, pp_size, virtual_pipeline_size)
         self.local_units = [n for i in self.local_stage_ids for n in self.stage_units[i]]
@@ -104,6 +110,7 @@ class PipelineModel(nn.Module):
         self._microbatches: list[dict] = []
         self._failed: str | None = None  # why a step failed inside the schedule (the model cannot run again)
         self._in_schedule = False
+        self._steps = 0
         self._traced_runs: dict = {}  # input shapes -> (stages, schedule), for a traced model
         if self.traced:  # stages are built from the trace (on these parameters), at the first call
             _mark_shards(self.local_parameters(), self.topology)
@@ -117,7 +124,7 @@ class PipelineModel(nn.Module):
                 _write_back(module, self.stage_units[index], stage_module)
             self.stage_modules.append(stage_module)
             stages.append(PipelineStage(stage_module, index, self.num_stages, self.device,
-                                        group=self.topology.group("pipeline")))
+                                        group=self.pipeline_group))
         self.stages = stages
         # After stage_transform: its tensor-parallel slices are new parameters.
         _mark_shards(self.local_parameters(), self.topology)
@@ -137,7 +144,7 @@ class PipelineModel(nn.Module):
             for index in self.local_stage_ids:
                 stage_module = self.layout.bind(pipe, index, self.stage_units, self.device)
                 self.stage_modules.append(stage_module)
-                stages.append(pipe.build_stage(index, self.device, group=self.topology.group("pipeline")))
+                stages.append(pipe.build_stage(index, self.device, group=self.pipeline_group))
             if self.deallocate_pipeline_outputs:
                 for stage in stages:
                     deallocate_after_send(stage)
@@ -243,18 +250,27 @@ class PipelineModel(nn.Module):
 
     def _run(self, kwargs, train: bool):
         if self._failed is not None:
-            raise MethodConfigError(
-                f"a previous step of this PipelineModel failed inside its schedule ({self._failed}); its ranks are "
-                "out of step (a peer may still wait for a message of that step), so it cannot run again: fix the "
-                "cause, then build a new PipelineModel in a new process group (restart the job)")
+            raise PipelineStepError(f"a previous step of this PipelineModel failed inside its schedule ({self._failed})")
+        self._steps += 1
         try:
             return self._run_step(kwargs, train)
         except Exception as error:
-            if self._in_schedule:
-                self._failed = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-            raise
+            if not self._in_schedule:
+                raise  # before the schedule: every rank raises the same (the batch, the trace)
+            # Peers wait for this rank's messages: tell them why and close the groups, so that they
+            # raise now rather than at the groups' timeout (atorch.pipeline.failure).
+            self._failed = failure.stop(self._groups(), error, f"rank {dist.get_rank()} (stages "
+                                        f"{self.local_stage_ids})", self._steps)
+            raise PipelineStepError(self._failed) from error
         finally:
             self._in_schedule = False
+
+    def _groups(self) -> list:
+        """Every process group a step of this model communicates over."""
+        groups = [self.pipeline_group, self.topology.data_parallel_group]
+        for mesh in {id(m): m for m in (self.topology.mesh, self.topology.named_mesh) if m is not None}.values():
+            groups += list(mesh.get_all_groups())  # tensor (or its 3D sub-dims) and data
+        return groups
 
     def _run_step(self, kwargs, train: bool):
         kwargs = self.layout.prepare_batch(kwargs)
@@ -278,8 +294,8 @@ class PipelineModel(nn.Module):
             self._average_data_parallel_grads()
             self._sync_tied(weights=False)
         last_rank = self.stages[0].stage_index_to_group_rank[self.num_stages - 1]
-        return reduce_losses(losses if self.has_last else None, self.topology, last_rank, self.num_microbatches,
-                             self.return_mb_loss, self.broadcast_and_average_loss)
+        return reduce_losses(losses if self.has_last else None, self.topology, self.pipeline_group, last_rank,
+                             self.num_microbatches, self.return_mb_loss, self.broadcast_and_average_loss)
 
     def _microbatch_loss(self, output, index: torch.Tensor) -> torch.Tensor:
         # The schedule hands each microbatch's "target": its index (the whole range while it infers shapes).
@@ -294,7 +310,7 @@ class PipelineModel(nn.Module):
         """A tied weight lives on every rank whose stages use it (one copy per rank). Weights: the
         copy of its first stage is given to the others; gradients: summed over the copies, as the
         serial model sums the gradients of its uses."""
-        group = self.topology.group("pipeline")
+        group = self.pipeline_group
         for users in self.ties:
             local = next((name for stage, name in users if stage in self.local_stage_ids), None)
             param = self._module[0].get_parameter(local) if local is not None else None

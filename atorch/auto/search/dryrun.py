@@ -6,7 +6,13 @@ inside the model's collectives, waiting for it. Two things keep that from sinkin
 agreements run on a process group of their own (:func:`agree.agreement_group`), never matched
 against the model's collectives, and the candidate's groups are built with the dry run's timeout
 (:func:`collective_timeout`), so a waiting peer raises within it, joins the agreement, and every
-rank records the failure of the rank that failed first."""
+rank records the failure of the rank that failed first.
+
+A pipeline candidate's sends and receives are on those groups too, so a stage stopped or hung
+holds its peers at most ``dryrun_timeout``. A stage that raises (its forward, its loss) does not
+even hold them that long: :class:`atorch.pipeline.PipelineModel` closes the candidate's groups
+as it fails (atorch/pipeline/failure.py), its peers leave their receives at once, and the
+candidate is recorded as failed with that stage's error within seconds."""
 
 import contextlib
 import copy
