@@ -72,6 +72,8 @@ class SearchReport:
     global_batch: int | None = None
     # When the search finished (seconds since the epoch): a cached report says how old it is.
     created: float | None = None
+    # Why the search stopped dry-running before max_dryruns (atorch/auto/search/stop.py), if it did.
+    stopped: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -135,7 +137,8 @@ class SearchReport:
         legend = ["* the pick; samples/s: the median timed step's (the slowest-fastest step's); est.: the cost "
                   "model's samples/s; peak: measured, per rank"]
         hidden = [] if all_rows else self._pruned_lines(set(shown), width)
-        top = [wrapped for line in (head, *self._counts_line(), *rates, *self._tie_line())
+        stopped = [self.stopped] if self.stopped else []
+        top = [wrapped for line in (head, *self._counts_line(), *stopped, *rates, *self._tie_line())
                for wrapped in textwrap.wrap(line, width, subsequent_indent="    ", break_on_hyphens=False)]
         bottom = [wrapped for line in (*tail, *legend) for wrapped in textwrap.wrap(line, width, subsequent_indent="    ")]
         return "\n".join([*top, *lines, *hidden, *bottom])

@@ -1,0 +1,50 @@
+"""Early stop: the search dry-runs candidates fastest estimate first, and stops when the estimate's
+error, as this job's own dry runs measured it, says that no candidate left can win.
+
+Each dry run gives one reading of the estimate's error on this job and machine: measured step /
+estimated step. A candidate not yet run would step at least ``estimate x the lowest ratio seen x
+STOP_SLACK``; when that is slower than the best measured step, it cannot win and is not dry-run.
+The bound needs ``MIN_MEASURED`` readings first: one ratio says little about the spread.
+
+    >>> cannot_win(0.05, [(0.02, 0.03), (0.03, 0.04)], 0.03) is not None   # 0.05 x 1.33 x 0.8 > 0.03
+    True
+"""
+
+# Readings of the estimate's error (measured candidates) before the bound is trusted.
+MIN_MEASURED = 2
+# How much faster than the lowest measured / estimated ratio seen a candidate may still run. On
+# search_quality.py's small Llama (4 ranks on 2 cores, calibrated rates, 56 candidates) the ratio
+# spans 0.9-2.2 over the candidates; the fastest-estimated few, which the search runs first, read
+# within 25% of one another's ratio.
+STOP_SLACK = 0.8
+CANNOT_WIN = "cannot_win"
+
+
+def cannot_win(estimated: float | None, readings: list[tuple[float, float]], best_seconds: float | None) -> str | None:
+    """Why a candidate estimated at ``estimated`` seconds a step cannot beat the best measured step
+    (``best_seconds``, a candidate that fits), given ``readings`` of (estimated, measured) step
+    seconds of the candidates measured so far; None when it may win (or too little is known)."""
+    if estimated is None or best_seconds is None or len(readings) < MIN_MEASURED:
+        return None
+    low = min(measured / est for est, measured in readings if est > 0)
+    bound = estimated * low * STOP_SLACK
+    if bound <= best_seconds:
+        return None
+    return (f"cannot win: estimated {estimated * 1e3:.1f} ms a step, so at least {bound * 1e3:.1f} ms at the lowest "
+            f"measured / estimated ratio of the {len(readings)} dry runs ({low:.2f}, less {1 - STOP_SLACK:.0%}); "
+            f"the best measured {best_seconds * 1e3:.1f} ms")
+
+
+def check(result, results: list, global_batch: int) -> str | None:
+    """:func:`cannot_win` for ``result`` (a CandidateResult not yet run) against ``results``' dry
+    runs: every timed one is a reading of the estimate's error, the best is the fastest that fits."""
+    timed = [r for r in results if r.throughput and r.estimated_step_seconds]
+    readings = [(r.estimated_step_seconds, global_batch / r.throughput) for r in timed]
+    best = min((global_batch / r.throughput for r in timed if r.status == "measured"), default=None)
+    return cannot_win(result.estimated_step_seconds, readings, best)
+
+
+def stop_note(stopped: int, ran: int) -> str:
+    """The report's line for an early stop."""
+    return (f"stopped early after {ran} dry runs: the estimate's error as measured on them says none of the "
+            f"{stopped} candidates left can win (pruned, cannot win)")
