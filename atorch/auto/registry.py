@@ -55,6 +55,9 @@ class LayoutJob:
     # Samples each data-parallel rank gets per step; None when unknown (planning without data).
     batch_per_data_rank: int | None = None
     model_input_format: str | None = None
+    # The batch one data-parallel rank gets at its first step (the dataset's first samples,
+    # collated), built when called; None when unknown. A pipeline traces the model with it.
+    first_batch: Callable[[], Any] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -174,7 +174,8 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
         layouts = None
         if base is None:
             layouts, ineligible = layout_space(model, device_ctx, global_batch, probe_ctx.model_input_format,
-                                               excluded, included)
+                                               excluded, included, functools.lru_cache(None)(
+                                                   functools.partial(_first_micro_batch, probe_ctx)))
         candidates = candidate_space(device_ctx, excluded, included, base, layouts, counts, model, global_batch)
         counts["generated"] += len(ineligible)
     state_factor = cost.optimizer_state_factor(probe_ctx.optim_func, probe_ctx.optim_args)

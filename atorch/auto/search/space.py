@@ -1,6 +1,7 @@
 """Candidate strategies: layouts (how the ranks split into data x tensor x pipeline) from the
 registry's layout methods, each combined with the registry's search spaces."""
 
+import functools
 import itertools
 import math
 from collections import Counter
@@ -43,7 +44,7 @@ def layout_text(dims, config: dict | None = None) -> str:
 
 
 def layout_space(model, device_ctx: DeviceContext, global_batch: int | None = None,
-                 model_input_format: str | None = None, excluded=None, included=None,
+                 model_input_format: str | None = None, excluded=None, included=None, first_batch=None,
                  ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
     """The layouts the search tries on ``model``, and those it cannot run with the reason.
 
@@ -51,6 +52,8 @@ def layout_space(model, device_ctx: DeviceContext, global_batch: int | None = No
     world size; the data dim gets the remaining ranks; the method's ``ineligible`` says whether
     this model can run it there. Data parallelism over every rank comes first, unless a layout
     method is in ``included`` (then only its layouts are tried); ``excluded`` ones are not tried.
+    ``first_batch(data_parallel_size)`` returns the batch one data rank gets (the job's first):
+    ``ineligible`` sees it as ``LayoutJob.first_batch``.
     """
     excluded, included = set(excluded or []), set(included or [])
     world = device_ctx.world_size
@@ -67,7 +70,8 @@ def layout_space(model, device_ctx: DeviceContext, global_batch: int | None = No
                 continue
             layout = Layout((*sizes.items(), ("data", world // taken)), (spec.name, dict(raw)))
             data = world // taken
-            job = LayoutJob(dict(layout.dims), global_batch // data if global_batch else None, model_input_format)
+            job = LayoutJob(dict(layout.dims), global_batch // data if global_batch else None, model_input_format,
+                            None if first_batch is None else functools.partial(first_batch, data))
             why = None if spec.ineligible is None else spec.ineligible(model, make_config(spec.name, raw), job)
             if why is None:
                 eligible.append(layout)
