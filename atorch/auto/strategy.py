@@ -2,10 +2,13 @@
 
 Strategies are stored as JSON (YAML is accepted on load). Pickle is refused and never unpickled:
 strategy files travel between people, and unpickling a shared file runs whatever code it holds.
+A pickled Strategy (``pickle.dumps(strategy)``, as ATorch code does) holds the plain data that
+``save`` writes; ``atorch.compat.antgroup.get_strategy`` reads it with a restricted unpickler.
 """
 
 import json
 import os
+import pickle
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,7 @@ from atorch.auto.config_types import MethodConfig
 from atorch.auto.registry import get_method
 from atorch.errors import MethodConfigError, StrategyFileError
 from atorch.utils.files import write_text_atomic
+from atorch.utils.log import logger
 
 FORMAT_NAME = "atorch-strategy"
 FORMAT_VERSION = 1
@@ -55,11 +59,15 @@ def _split_item(item: Any) -> tuple[str, Any]:
         if extra:
             raise StrategyFileError(f"method entry {item!r} has unknown keys {sorted(extra)}; use 'name' and 'config'")
         return item["name"], item.get("config")
+    if isinstance(item, (tuple, list)) and len(item) == 3 and isinstance(item[0], str) and isinstance(item[2], bool):
+        # ATorch's (name, config, tunable): atorch fills what a config leaves unset for the model
+        # at hand and does not dry-run alternative configs of one method, so tunable is not kept.
+        item = item[:2]
     if isinstance(item, (tuple, list)) and len(item) in (1, 2) and isinstance(item[0], str):
         return item[0], item[1] if len(item) == 2 else None
     raise StrategyFileError(
         f"cannot read strategy entry {item!r}; write a method name, a (name, config) pair, "
-        "or {'name': ..., 'config': ...}"
+        "(name, config, tunable) with tunable True or False, or {'name': ..., 'config': ...}"
     )
 
 
@@ -114,6 +122,35 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"Strategy({[(name, config.model_dump(mode='json')) for name, config in self._methods]})"
+
+    # ----- pickling: a pickle holds what save() writes (plain data, read by the restricted
+    # unpickler of atorch.compat.antgroup.get_strategy); copies keep the configs as they are.
+    def __getstate__(self) -> dict:
+        dropped = [f"{name}.{field}" for name, config in self._methods
+                   for field, info in type(config).model_fields.items()
+                   if info.exclude and getattr(config, field) is not None]
+        if dropped:
+            logger.warning("a pickled Strategy holds what save() writes, without %s (code-only settings): "
+                           "set them in the code that unpickles it", ", ".join(dropped))
+        return self.to_dict()
+
+    def __setstate__(self, state: dict) -> None:
+        if "opt_list" in state:
+            raise StrategyFileError("this pickle is an ATorch strategy; read it with "
+                                    "atorch.compat.antgroup.get_strategy (plain data only, no code runs)")
+        data, description = method_entries(state, "pickled strategy")
+        self.__init__(data, description)
+
+    def __copy__(self) -> "Strategy":
+        return Strategy(self._methods, self.description)
+
+    def __deepcopy__(self, memo) -> "Strategy":
+        return Strategy(self._methods, self.description)
+
+    def convert_strategy_to_easydl_format(self) -> list:
+        """ATorch's EasyDL form: ``[(name, pickled config, tunable)]``, each config pickled as the
+        plain data (dicts, lists, str, numbers) that ``save()`` writes."""
+        return [(name, pickle.dumps(config.model_dump(mode="json")), False) for name, config in self._methods]
 
     def __str__(self) -> str:
         if not self._methods:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from atorch.auto.strategy import Strategy, parse_strategy
+from atorch.auto.strategy import FORMAT_NAME, Strategy, method_entries, parse_strategy
 from atorch.compat.antgroup.distributed import atorch_dims
 from atorch.compat.antgroup.strategy import Strategy as ATorchStrategy
 from atorch.errors import AtorchConfigError, NotSupportedError, StrategyFileError
@@ -107,7 +107,21 @@ def _is_pickle(data: bytes) -> bool:
 
 
 def read_pickled_strategy(data: bytes, source: str = "strategy bytes") -> list:
-    """The ``opt_list`` of an ATorch pickled Strategy (or a pickled list of items), as plain data."""
+    """The ``opt_list`` of an ATorch pickled Strategy (or a pickled list of items), as plain data;
+    of a pickled atorch Strategy, its method entries (``{"name": ..., "config": ...}``)."""
+    obj = _plain_data(data, source)
+    if _is_atorch_state(obj):
+        return method_entries(vars(obj), source)[0]
+    return _opt_list(obj, source)
+
+
+def _is_atorch_state(obj) -> bool:
+    # atorch's own Strategy pickles the dict that Strategy.save() writes (Strategy.__getstate__);
+    # ATorch's, under the same class path, holds opt_list
+    return isinstance(obj, _ATorchStrategy) and vars(obj).get("format") == FORMAT_NAME
+
+
+def _plain_data(data: bytes, source: str):
     try:
         obj = _PlainData(io.BytesIO(data)).load()
     except Exception as error:  # noqa: BLE001 - a hostile or corrupt file can raise anything
@@ -116,6 +130,10 @@ def read_pickled_strategy(data: bytes, source: str = "strategy bytes") -> list:
             f"{source} looks like a pickle that holds more than a plain ATorch strategy ({first}). atorch never "
             "runs code from a strategy file: save strategies with Strategy.save() (JSON) and load that file "
             "instead.") from None
+    return obj
+
+
+def _opt_list(obj, source: str) -> list:
     if isinstance(obj, _ATorchStrategy):
         obj = getattr(obj, "opt_list", None)
     if not isinstance(obj, list):
@@ -230,7 +248,7 @@ def to_strategy(load_strategy: Any) -> Strategy:
         return Strategy(atorch_items(load_strategy))
     if isinstance(load_strategy, bytes):
         if _is_pickle(load_strategy):
-            return Strategy(atorch_items(read_pickled_strategy(load_strategy)))
+            return _pickled(load_strategy, "strategy bytes")
         return parse_strategy(load_strategy)
     if isinstance(load_strategy, (str, os.PathLike)):
         path = Path(load_strategy)
@@ -239,11 +257,20 @@ def to_strategy(load_strategy: Any) -> Strategy:
         if path.is_file():
             data = path.read_bytes()
             if path.suffix.lower() in _PICKLE_SUFFIXES or _is_pickle(data):
-                return Strategy(atorch_items(read_pickled_strategy(data, f"strategy file {str(path)!r}")))
+                return _pickled(data, f"strategy file {str(path)!r}")
         return parse_strategy(path)
     if getattr(load_strategy, "opt_list", None) is not None:  # an ATorch Strategy object in memory
         return Strategy(atorch_items(load_strategy.opt_list))
     return parse_strategy(load_strategy)
+
+
+def _pickled(data: bytes, source: str) -> Strategy:
+    """A pickled strategy read as plain data: atorch's own Strategy as it was saved, ATorch's
+    (name, config, tunable) items through :func:`atorch_items`."""
+    obj = _plain_data(data, source)
+    if _is_atorch_state(obj):
+        return Strategy.from_data(vars(obj), source)
+    return Strategy(atorch_items(_opt_list(obj, source)))
 
 
 def get_strategy(load_strategy: Any) -> tuple[bool, Strategy | None]:
