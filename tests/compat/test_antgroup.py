@@ -105,11 +105,11 @@ def _groups() -> dict:
     return out
 
 
-def _train(load_strategy) -> dict:
+def _train(load_strategy, **kwargs) -> dict:
     torch.manual_seed(0)
     status, result, strategy = atorch.auto_accelerate(
         Net(), torch.optim.SGD, Rows(), _loss, optim_args={"lr": LR}, dataloader_args={"shuffle": False},
-        batch_size=GLOBAL_BATCH, model_input_format="unpack_dict", load_strategy=load_strategy)
+        batch_size=GLOBAL_BATCH, model_input_format="unpack_dict", load_strategy=load_strategy, **kwargs)
     model, optim, losses = result.model, result.optim, []
     for _, batch in zip(range(STEPS), result.dataloader):
         batch = result.prepare_input(batch, atorch.device())
@@ -125,7 +125,8 @@ def _train(load_strategy) -> dict:
         value = value.full_tensor() if hasattr(value, "full_tensor") else value
         weights[name.removeprefix("module.")] = value.detach().clone()
     return {"status": status, "losses": losses, "weights": weights, "strategy": strategy.opt_names,
-            "fsdp": strategy.get("fsdp")}
+            "fsdp": strategy.get("fsdp"), "best": strategy, "optim": type(optim).__name__,
+            "masters": getattr(optim, "master_params", None)}
 
 
 def _all(pickled_path: str) -> dict:
