@@ -8,7 +8,8 @@ raise a user error here, so a strategy is never half-applied.
 """
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 from atorch.auto.environment import DeviceContext
 from atorch.auto.fit_dims import FitJob, fit_missing_dims
@@ -171,13 +172,30 @@ def relation_problems(strategy: Strategy) -> list[str]:
     return problems
 
 
+# The drops resolve_strategy has logged inside each_drop_once (a search resolves every candidate,
+# and said the same drop once per candidate and dry run).
+_logged: set[str] | None = None
+
+
+@contextmanager
+def each_drop_once() -> Iterator[None]:
+    """Inside the block, :func:`resolve_strategy` logs each drop once (nested blocks share it)."""
+    global _logged
+    outer = _logged
+    _logged = set() if outer is None else outer
+    try:
+        yield
+    finally:
+        _logged = outer
+
+
 def resolve_strategy(model, strategy: Strategy, notes: list[Note] | None = None) -> Strategy:
     """Each method's ``resolve`` applied to ``model``: user errors raised before anything runs,
     and the choices methods make from the model (checkpointed classes, FSDP units) filled in.
 
     A method that would change nothing on ``model`` is dropped: with ``notes`` (the user's own
     strategy) the drop is appended there for the caller to log at WARNING; without (the search's
-    candidates) it is logged at INFO."""
+    candidates) it is logged at INFO, once per search (:func:`each_drop_once`)."""
     for name, config in strategy.items():
         spec = get_method(name)
         if spec.resolve is not None:
@@ -188,7 +206,10 @@ def resolve_strategy(model, strategy: Strategy, notes: list[Note] | None = None)
             strategy = strategy.without(name)
             note = dropped(name, f"it would change nothing: {idle}")
             if notes is None:
-                logger.info("%s", note)
+                if _logged is None or note not in _logged:
+                    logger.info("%s", note)
+                if _logged is not None:
+                    _logged.add(note)
             else:
                 notes.append(note)
     return strategy

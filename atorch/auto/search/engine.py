@@ -11,7 +11,7 @@ import torch
 
 from atorch.auto.context import ModelContext
 from atorch.auto.environment import DeviceContext
-from atorch.auto.plan import resolve_strategy
+from atorch.auto.plan import each_drop_once, resolve_strategy
 from atorch.auto.registry import all_methods, get_method
 from atorch.auto.search import cost, stop
 from atorch.auto.search.agree import agreed, from_rank0, set_timeout
@@ -154,7 +154,7 @@ def search(
     # instead of waiting torch's 30 minutes: a live peer reaches the next agreement within one dry
     # run (its collectives time out after dryrun_timeout; a last step may run past it).
     set_timeout(AGREEMENT_TIMEOUT_FACTOR * options.dryrun_timeout + AGREEMENT_TIMEOUT_SLACK)
-    with collector_frozen():
+    with collector_frozen(), each_drop_once():
         return _search(model, device_ctx, make_context, apply, options, excluded, included, base, only)
 
 
