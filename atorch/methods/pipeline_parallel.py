@@ -7,6 +7,8 @@ Llama-style Hugging Face decoder LMs (atorch/pipeline/layouts.py); data parallel
 dims is done by the pipeline model itself (no DDP wrapper).
 """
 
+from collections.abc import Mapping
+
 import torch
 
 from atorch.auto.context import ModelContext
@@ -58,7 +60,10 @@ def stage_ranges(model: torch.nn.Module, config: PipelineFields, stages: int) ->
 
 
 def pipeline_ineligible(model: torch.nn.Module, config: PipelineFields, job: LayoutJob, stages: int) -> str | None:
-    """Why ``model`` cannot run in ``stages`` pipeline stages on ``job``'s layout, or None."""
+    """Why ``model`` cannot run in ``stages`` pipeline stages on ``job``'s layout, or None: the
+    model is traced (or its layout checked) with a microbatch of the job's first batch where the
+    job has one, so a model that cannot split with the batch it will get is ruled out here,
+    without a dry run."""
     where = f"pipeline={stages}"
     if job.model_input_format not in (None, "unpack_dict"):
         return (f"{where}: pipeline stages take the batch's fields as keyword arguments (model_input_format "
@@ -67,16 +72,36 @@ def pipeline_ineligible(model: torch.nn.Module, config: PipelineFields, job: Lay
         check_fields(config)
     except AtorchConfigError as error:
         return f"{where}: {error}"
-    if config.pipeline_cuts is None:
-        count = stages * config.virtual_pipeline_size
-        why = once(("pipeline eligibility", id(model), count), lambda: pipeline_eligibility(model, count))
-        if why is not None:
-            return f"{where}: {why}"
     batch = job.batch_per_data_rank
     if batch is not None and batch % config.num_microbatches:
         return (f"{where}: {config.num_microbatches} microbatches do not divide the {batch} samples each "
                 "data-parallel rank gets per step")
+    example = None if job.first_batch is None else job.first_batch()
+    if example is not None and not isinstance(example, Mapping):
+        return (f"{where}: pipeline stages take the batch's fields as keyword arguments; this job's batches are "
+                f"{type(example).__name__}s: make the dataset's samples dicts named as the forward's arguments")
+    if config.pipeline_cuts is None:
+        count = stages * config.virtual_pipeline_size
+        example = None if example is None else _example_microbatch(example)
+        names = None if config.input_names is None else tuple(config.input_names)
+        key = ("pipeline eligibility", id(model), count, names, _structure(example))
+        why = once(key, lambda: pipeline_eligibility(model, count, example, config.input_names))
+        if why is not None:
+            return f"{where}: {why}"
     return None
+
+
+def _example_microbatch(batch: Mapping) -> dict:
+    """The batch cut to two samples: what any microbatch traces to (torch.export specializes a
+    size of 1, not larger ones), the same for every microbatch count, so one trace serves them."""
+    return {k: v[:2] if isinstance(v, torch.Tensor) and v.ndim else v for k, v in batch.items()}
+
+
+def _structure(example: dict | None) -> tuple | None:
+    if example is None:
+        return None
+    return tuple((k, (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else repr(v))
+                 for k, v in example.items())
 
 
 def ineligible(model: torch.nn.Module, config: PipelineParallelConfig, job: LayoutJob) -> str | None:
