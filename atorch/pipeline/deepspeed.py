@@ -24,6 +24,7 @@ def pipeline_module(ctx: ModelContext, partition_method: str):
         raise NotSupportedError("ds_3d_parallel lays ranks out in their natural order; drop parallel_mode's rank_order")
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
     layout = layout_for(ctx.model)
+    layout.route_mask = False  # DeepSpeed's stages pass one tensor: no mask beside the hidden states
     if layout.traced:
         raise NotSupportedError(
             f"ds_3d_parallel runs DeepSpeed's pipeline engine over a chain of modules, and no layout knows "

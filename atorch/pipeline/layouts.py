@@ -9,8 +9,10 @@ stage's output back into what the whole model's ``forward`` returns. Two layouts
 - :class:`DecoderLMLayout` for Hugging Face decoder language models built like Llama
   (``model.embed_tokens``, ``model.layers``, ``model.norm``, ``model.rotary_emb``, ``lm_head``:
   Llama, Mistral, Qwen2, ...): units are the embedding, each decoder layer, the final norm and
-  the head; each stage recomputes the causal mask and rotary embeddings from the hidden states'
-  shape, and the last stage computes the loss with the model's own ``loss_function``.
+  the head; a batch's ``attention_mask`` (padded or not) enters the first stage and is handed on
+  with the hidden states, each stage builds the 4D mask from it and the rotary embeddings from the
+  hidden states' shape, as the model's forward does, and the last stage computes the loss with the
+  model's own ``loss_function``.
 
 Other models are split by tracing their forward (:mod:`atorch.pipeline.traced`, see
 :func:`layout_for`); :func:`register_layout` adds a fast path for a model family of your own.
@@ -94,22 +96,24 @@ class SequentialLayout(Layout):
 
 
 class _DecoderStage(nn.Module):
-    def __init__(self, layout: "DecoderLMLayout", names: list[str]):
+    def __init__(self, layout: "DecoderLMLayout", names: list[str], is_last: bool = False):
         super().__init__()
         self.layout = [layout]  # a list: the layout holds the whole model, which is no child of this stage
         self.kinds = [layout.kind(n) for n in names]
         self.units = nn.ModuleList(layout.module(n) for n in names)
+        self.is_last = is_last
 
-    def forward(self, x):
+    def forward(self, x, attention_mask=None):
+        # A padding mask travels with the hidden states (the next stage builds its 4D mask from it).
         context = None
         for kind, unit in zip(self.kinds, self.units):
             if kind == "layer":
                 if context is None:
-                    context = self.layout[0].layer_context(x)
+                    context = self.layout[0].layer_context(x, attention_mask)
                 x = unit(x, **context)
             else:
                 x = unit(x)
-        return x
+        return x if attention_mask is None or self.is_last else (x, attention_mask)
 
     # tensor_parallel's shard_model asks these to split the embedding and the head.
     def get_input_embeddings(self):
@@ -120,12 +124,16 @@ class _DecoderStage(nn.Module):
 
 
 class DecoderLMLayout(Layout):
-    """Hugging Face causal LMs built like Llama; takes ``input_ids`` and ``labels``."""
+    """Hugging Face causal LMs built like Llama; takes ``input_ids``, ``attention_mask`` (padding
+    allowed) and ``labels``."""
 
     def __init__(self, model: nn.Module):
         base = model.model
         layers = [f"model.layers.{i}" for i in range(len(base.layers))]
         super().__init__(model, ["model.embed_tokens", *layers, "model.norm", "lm_head"], layers, ["input_ids"])
+        # An attention_mask enters the first stage and is handed on with the hidden states; False
+        # where stages pass one tensor (DeepSpeed's engine): a mask of ones is dropped, padding refused.
+        self.route_mask = True
 
     @staticmethod
     def matches(model: nn.Module) -> bool:
@@ -137,34 +145,39 @@ class DecoderLMLayout(Layout):
         return {"model.embed_tokens": "embed", "model.norm": "norm", "lm_head": "head"}.get(name, "layer")
 
     def stage_module(self, names, is_first, is_last):
-        return _DecoderStage(self, names)
+        return _DecoderStage(self, names, is_last)
 
-    def layer_context(self, hidden: torch.Tensor) -> dict:
+    def layer_context(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict:
         from transformers.masking_utils import create_causal_mask
 
         base = self.model.model
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         # transformers 5.24 renamed past_key_values to cache (the old name warns until 5.40)
         cache = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
-        mask = create_causal_mask(config=base.config, inputs_embeds=hidden, attention_mask=None,
+        # as the model's forward builds it: positions 0..n-1 whatever the padding
+        mask = create_causal_mask(config=base.config, inputs_embeds=hidden, attention_mask=attention_mask,
                                   position_ids=position_ids, **{cache: None})
         return {"attention_mask": mask, "position_ids": position_ids,
                 "position_embeddings": base.rotary_emb(hidden, position_ids=position_ids)}
 
     def prepare_batch(self, batch):
         mask = batch.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and bool((mask == 1).all()):
+        # every batch of a job has a mask or none: the stages' arguments stay the same from step to step
+        routed = isinstance(mask, torch.Tensor) and self.route_mask
+        self.inputs = ["input_ids", "attention_mask"] if routed else ["input_ids"]
+        if isinstance(mask, torch.Tensor) and not routed and not mask.is_meta and bool((mask == 1).all()):
             # no padding: the causal mask each stage builds is the same
             batch = {k: v for k, v in batch.items() if k != "attention_mask"}
         return batch
 
     def check_kwargs(self, names):
-        unknown = sorted(set(names) - {"input_ids", "labels"})
+        unknown = sorted(set(names) - {"input_ids", "labels", *self.inputs})
         if unknown:
+            mask = "" if self.route_mask else (", a padding attention_mask (with zeros) needs pipeline_parallel's "
+                                               "PipelineModel, which passes it between stages")
             raise NotSupportedError(
-                f"PipelineModel runs Llama-style decoder LMs on input_ids and labels only; {unknown} are not passed "
-                "between stages (a padding attention_mask, with zeros, or custom position_ids would be ignored); "
-                "drop them, or pack sequences without padding (an attention_mask of ones is accepted)"
+                f"{type(self.model).__name__} is pipelined on input_ids, attention_mask and labels only; {unknown} "
+                f"are not passed between stages (custom position_ids would be ignored{mask}); drop them"
             )
 
     def model_output(self, stage_output, targets):

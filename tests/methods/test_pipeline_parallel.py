@@ -80,9 +80,14 @@ def test_decoder_layout_refuses_inputs_it_would_drop():
     layout = layout_for(tiny_llama())
     assert isinstance(layout, DecoderLMLayout) and layout.units[0] == "model.embed_tokens"
     assert layout.units[-2:] == ["model.norm", "lm_head"]
-    layout.check_kwargs(["input_ids", "labels"])
-    with pytest.raises(NotSupportedError, match=r"\['attention_mask'\] are not passed between stages"):
-        layout.check_kwargs(["input_ids", "attention_mask", "labels"])
+    batch = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4), "labels": None}
+    layout.check_kwargs(list(layout.prepare_batch(batch)))  # the mask is handed between stages
+    with pytest.raises(NotSupportedError, match=r"\['position_ids'\] are not passed between stages"):
+        layout.check_kwargs(["input_ids", "attention_mask", "position_ids"])
+    layout.route_mask = False  # DeepSpeed's engine: one tensor between stages
+    batch["attention_mask"][0, 3] = 0
+    with pytest.raises(NotSupportedError, match="a padding attention_mask .* needs pipeline_parallel"):
+        layout.check_kwargs(list(layout.prepare_batch(batch)))
 
 
 PP2_DATA2 = ("parallel_mode", ([("pipeline", 2), ("data", 2)], None))
