@@ -14,6 +14,7 @@ from atorch.auto.registry import DS_ACCUMULATES, ONE_SHARDING, MethodSpec, Stage
 from atorch.methods.parallel_mode import DDP_BUCKET_BYTES
 from atorch.sharding.deepspeed import deepspeed_unavailable, wrap_deepspeed, zero_memory_terms
 from atorch.sharding.deepspeed_config import TRUSTED_DESCRIPTION, StrategyDsConfig, TrustedField, merged
+from atorch.utils.memo import once
 
 
 class Zero1Config(MethodConfig):
@@ -92,8 +93,9 @@ def cost_term(config: Zero1Config, cost) -> None:
     if not config.use_ds_zero:
         # ZeroRedundancyOptimizer hands out whole tensors: some rank holds the largest one (often
         # the embedding), however many ranks there are.
-        largest = max((p.numel() * p.element_size() for p in cost.model.parameters() if p.requires_grad),
-                      default=0) * cost.weight_scale * cost.split
+        largest = once(("largest trainable bytes", id(cost.model)), lambda: max(
+            (p.numel() * p.element_size() for p in cost.model.parameters() if p.requires_grad), default=0))
+        largest *= cost.weight_scale * cost.split
         cost.optim_state = max(cost.optim_state, largest * cost.state_factor)
         cost.stepped = max(cost.stepped, largest)
         cost.step_temp = cost.stepped  # foreach kernels over the shard's parameters (local_step.py)
