@@ -4,8 +4,9 @@ hardware profile, with no hardware.
 The candidates are the search's own (``layout_space`` x ``candidate_space``: every data x tensor x
 pipeline split the registry's layout methods allow, each with zero/fsdp, amp and checkpoint); each
 is costed by ``cost_candidate`` (memory and step time, terms from each method's registry row) at
-the profile's rates; those over the profile's memory are pruned; the rest are ranked by estimated
-step time. Nothing runs: every figure is an estimate.
+the profile's rates; one over the profile's memory is tried again with gradient accumulation, or a
+pipeline with more microbatches (:func:`memory_retries`), and those that still do not fit are
+pruned; the rest are ranked by estimated step time. Nothing runs: every figure is an estimate.
 
     atorch plan --search --profile h100_80gb --hf-config docs/plans/llama7b.json \\
         --world-size 64 --batch-size 64 --seq-len 4096
@@ -87,28 +88,36 @@ def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, st
     counts["ineligible layouts"] = len(ineligible)
     candidates = candidate_space(device_ctx, list(excluded), None, None, layouts, counts)
     rows = []
+    def row_of(strategy, dims: dict, dp: int) -> dict:
+        config = _layout_config(strategy) or {}
+        return {"strategy": strategy, "layout": layout_text(dims.items(), config),
+                "names": [n for n in method_labels(strategy.items()) if n != "parallel_mode"],
+                "dims": {"data": dp, "tensor": dims.get("tensor", 1), "pipeline": dims.get("pipeline", 1),
+                         "microbatches": config.get("num_microbatches", 1),
+                         "virtual_stages": config.get("virtual_pipeline_size") or 1, "accumulation": 1},
+                "per_rank_batch": global_batch // dp}
+
+    fitted: dict = {}  # (strategy, accumulation) costed -> whether it fits (or has no estimate)
     for index, strategy in enumerate(candidates, 1):
         dims = layout_dims(strategy, world)
         dp = data_parallel_size(dims)
-        config = _layout_config(strategy) or {}
-        row = {"strategy": strategy, "layout": layout_text(dims.items(), config),
-               "names": [n for n in method_labels(strategy.items()) if n != "parallel_mode"],
-               "dims": {"data": dp, "tensor": dims.get("tensor", 1), "pipeline": dims.get("pipeline", 1),
-                        "microbatches": config.get("num_microbatches", 1),
-                        "virtual_stages": config.get("virtual_pipeline_size") or 1, "accumulation": 1},
-               "per_rank_batch": global_batch // dp}
         if global_batch % dp:
+            row = row_of(strategy, dims, dp)
             row["reason"] = f"the global batch {global_batch} does not divide over {dp} data-parallel ranks"
             rows.append(row)
             continue
         if index % 50 == 0:
             _progress(f"  [{index}/{len(candidates)}] costed")
-        for steps in accumulation_choices(strategy, global_batch // dp):
-            costed = _costed(dict(row, dims=dict(row["dims"], accumulation=steps)), model, strategy, dims, steps,
-                             state_factor, probe_for(steps), profile, global_batch, seq_len, flops_per_token, world,
-                             memory)
-            rows.append(costed)
-            if costed.get("fits") is not False:  # fits, or no estimate: no more accumulation to try
+        for tried, steps in memory_retries(strategy, global_batch // dp):
+            key = (repr(tried), steps)  # a pipeline's retry with 2p microbatches is also a layout of its own
+            if key not in fitted:
+                row = row_of(tried, dims, dp)
+                costed = _costed(dict(row, dims=dict(row["dims"], accumulation=steps)), model, tried, dims, steps,
+                                 state_factor, probe_for(steps), profile, global_batch, seq_len, flops_per_token,
+                                 world, memory)
+                rows.append(costed)
+                fitted[key] = costed.get("fits") is not False
+            if fitted[key]:  # fits, or no estimate: no more micro-batches to try
                 break
     counts["costed"] = sum(1 for r in rows if "memory" in r)
     counts["over memory"] = sum(1 for r in rows if "memory" in r and not r["fits"])
@@ -133,6 +142,27 @@ def accumulation_choices(strategy, per_rank: int) -> list[int]:
         choices.append(steps)
         steps *= 2
     return choices
+
+
+def memory_retries(strategy, per_rank: int) -> list:
+    """``(strategy, accumulation steps)`` to try in turn until one fits: the strategy with each of
+    :func:`accumulation_choices`; for a pipeline layout (pipeline_parallel, mixed_parallel), whose
+    microbatches are its accumulation, the strategy with its ``num_microbatches`` doubled while
+    they divide the per-rank batch (each microbatch smaller, the bubble too: NeMo's 70B runs
+    microbatches of one sequence, where the layouts' p and 2p microbatches hold 4-8 sequences a
+    microbatch on 512 ranks and never fit). Doubling keeps interleaved 1F1B's rounds whole."""
+    from atorch.auto.registry import get_method
+    from atorch.auto.strategy import Strategy
+
+    for name, config in strategy.items():
+        if get_method(name).layouts is not None and "num_microbatches" in type(config).model_fields:
+            tried, microbatches = [], config.num_microbatches
+            while microbatches <= per_rank and per_rank % microbatches == 0:
+                changed = config.model_copy(update={"num_microbatches": microbatches})
+                tried.append((Strategy([(n, changed if n == name else c) for n, c in strategy.items()]), 1))
+                microbatches *= 2
+            return tried or [(strategy, 1)]
+    return [(strategy, steps) for steps in accumulation_choices(strategy, per_rank)]
 
 
 def _costed(row: dict, model, strategy, dims, steps, state_factor, probe, profile, global_batch, seq_len,
@@ -214,7 +244,8 @@ def _print(result, records, args, profile, params, assumptions) -> None:
     attention = "flash attention (no seq x seq probabilities)" if profile.attention == "flash" else "SDPA's math form"
     print(f"  activations      probed on ONE sequence (1 x {args.seq_len}) on the meta device, attention as "
           f"{attention}, scaled linearly to each layout's micro-batch; a candidate over memory is tried again with "
-          "gradient accumulation (2, 4, ... micro-batches a step) until it fits")
+          "gradient accumulation (2, 4, ... micro-batches a step), a pipeline with its microbatches doubled, until "
+          "it fits")
     hidden = (f"{profile.overlap:g} of the data-parallel sync a method issues during a pass hidden behind its compute"
               if profile.overlap else "none of it overlapped")
     print(f"  time             compute / sustained rate x (1 + pipeline bubble) + communication, {hidden}; "
