@@ -155,3 +155,32 @@ def test_its_memory_estimate_is_within_10_percent_of_the_measured_peak():
     for name in ("ddp", "fsdp"):  # it saves memory, and the estimate says so
         assert peaks[(name, True)][1] < peaks[(name, False)][1], peaks
         assert peaks[(name, True)][0] < peaks[(name, False)][0], peaks
+
+
+def _dry_run_with_a_failing_rank(report_file: str):
+    from atorch.auto.registry import MethodSpec, Stage, get_method, register_method
+    from tests.auto.search.test_one_rank_failure import TIMEOUT_S, ForwardFailsConfig, _fail_in_forward
+
+    try:
+        get_method("_forward_fails")
+    except ValueError:
+        register_method(MethodSpec("_forward_fails", ForwardFailsConfig, {Stage.REWRITE: _fail_in_forward}, "fails"))
+    status, _, _ = auto_accelerate(
+        TinyTransformer(), torch.optim.AdamW, TokenDataset(), lm_loss, dataloader_args={"batch_size": BATCH},
+        model_input_format="unpack_dict", load_strategy=["parallel_mode", "_forward_fails", ACCUMULATE],
+        ignore_dryrun_on_load_strategy=False, dryrun_timeout=TIMEOUT_S, use_search_cache=False,
+        report_file=report_file)
+    return status
+
+
+def test_a_dry_run_reduces_the_accumulated_gradients(tmp_path):
+    """Rank 1's forward raises: rank 0 must wait in DDP's all-reduce of its second micro-batch
+    until the candidate's timeout, then both record the failure. A dry run that never turned the
+    reduction back on (its backward without the model) ran on alone: rank 0 went on to the timed
+    steps, measured a step without the all-reduce, and the ranks hung in different agreements."""
+    from atorch.auto.search.report import SearchReport
+
+    path = str(tmp_path / "report.json")
+    assert run_distributed(_dry_run_with_a_failing_rank, 2, path, timeout_s=120) == [False, False]
+    (candidate,) = SearchReport.load(path).candidates
+    assert candidate.status == "failed" and candidate.reason == "rank 1: RuntimeError: forward broke on rank 1"

@@ -6,7 +6,8 @@ import torch
 from atorch.auto.registry import MethodSpec, Stage, get_method, register_method
 
 # Every registered method that a data-parallel search would try besides the one under test.
-OTHERS = ["amp_native", "module_replace", "checkpoint", "zero1", "zero2", "fsdp", "pipeline_parallel",
+OTHERS = ["amp_native", "module_replace", "checkpoint", "gradient_accumulation", "zero1", "zero2", "fsdp",
+          "pipeline_parallel",
           "tensor_parallel"]
 
 
