@@ -96,7 +96,7 @@ def test_excluded_methods_never_appear(tmp_path):
 
 def test_time_limit_holds(tmp_path):
     path = str(tmp_path / "report.json")
-    limit = 1.5
+    limit = 3.0
     # enough steps that the first dry run alone outlasts the limit (candidates the same on this
     # model run once, so a few short dry runs can finish well within it)
     results = run_distributed(search_and_train, 2, path, time_limit=limit, dryrun_warmup_steps=1, dryrun_steps=1000)
@@ -109,7 +109,7 @@ def test_time_limit_holds(tmp_path):
 def test_a_failing_candidate_is_recorded_and_the_search_goes_on(tmp_path):
     path = str(tmp_path / "report.json")
     results = run_distributed(search_and_train, 2, path, register_failing={"fail_on_rank": 1},
-                              excluded=["amp_native", "module_replace"], **FAST)
+                              excluded=["amp_native", "module_replace", "gradient_accumulation"], **FAST)
     assert results[0]["status"] and "_explodes" not in results[0]["strategy"]
     report = _report(path)
     failed = [c for c in report.candidates if c.status == "failed"]
@@ -120,9 +120,10 @@ def test_a_failing_candidate_is_recorded_and_the_search_goes_on(tmp_path):
 
 def test_a_budget_plain_ddp_cannot_meet_picks_a_sharded_strategy(tmp_path):
     path = str(tmp_path / "report.json")
-    # data parallel only (tests/auto/search/test_layout.py: a tensor layout that alone fits)
-    kwargs = dict(excluded=["amp_native", "module_replace", "checkpoint", "tensor_parallel", "pipeline_parallel",
-                            "mixed_parallel"], **FAST)
+    # data parallel only (tests/auto/search/test_layout.py: a tensor layout that alone fits), without
+    # the methods that only trade speed for memory (checkpoint, gradient_accumulation)
+    kwargs = dict(excluded=["amp_native", "module_replace", "checkpoint", "gradient_accumulation", "tensor_parallel",
+                            "pipeline_parallel", "mixed_parallel"], **FAST)
     run_distributed(search_and_train, 2, path, **kwargs)
     plain = next(c for c in _report(path).candidates if c.names == ["parallel_mode"])
     budget = int(plain.estimated_peak_bytes * 0.9)
@@ -177,8 +178,8 @@ def _search_with_plain_estimated_slow(tmp_report, max_dryruns: int):
     seconds = cost.StepCost.seconds
     cost.StepCost.seconds = lambda self: seconds(self) * (3.0 if set(self.methods) <= {"parallel_mode"} else 1.0)
     engine.DOMINANCE = float("inf")
-    excluded = ["amp_native", "module_replace", "checkpoint", "tensor_parallel", "pipeline_parallel",
-                "mixed_parallel"]
+    excluded = ["amp_native", "module_replace", "checkpoint", "gradient_accumulation", "tensor_parallel",
+                "pipeline_parallel", "mixed_parallel"]
     return search_and_train(tmp_report, steps=1, excluded=excluded, max_dryruns=max_dryruns, **FAST)
 
 
