@@ -193,6 +193,8 @@ def test_a_larger_global_batch_is_accumulated_not_paid_for_in_mfu():
     mfu = [best[b]["mfu"] for b in sorted(best)]
     assert all(later >= earlier * 0.99 for earlier, later in zip(mfu, mfu[1:])), mfu
     assert best[64]["dims"]["accumulation"] > 1 and "accumulation=" in best[64]["layout"]
+    # named as the method that applies it, so the pick can be written as a strategy
+    assert f"gradient_accumulation x{best[64]['dims']['accumulation']}" in best[64]["names"]
     # the same candidate without accumulation is listed too, over memory
     over = [r for r in result["rows"] if r["strategy"] is best[64]["strategy"] and r["dims"]["accumulation"] == 1]
     assert over and over[0]["fits"] is False

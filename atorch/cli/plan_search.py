@@ -86,7 +86,9 @@ def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, st
     counts: Counter = Counter()
     layouts, ineligible = layout_space(model, device_ctx, global_batch, "unpack_dict", list(excluded))
     counts["ineligible layouts"] = len(ineligible)
-    candidates = candidate_space(device_ctx, list(excluded), None, None, layouts, counts)
+    # Accumulation comes from the memory retries below (the fewest micro-batches that fit), not
+    # from the space's gradient_accumulation combinations, which would cost the same thing twice.
+    candidates = candidate_space(device_ctx, [*excluded, "gradient_accumulation"], None, None, layouts, counts)
     rows = []
     def row_of(strategy, dims: dict, dp: int) -> dict:
         config = _layout_config(strategy) or {}
@@ -108,17 +110,25 @@ def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, st
             continue
         if index % 50 == 0:
             _progress(f"  [{index}/{len(candidates)}] costed")
-        for tried, steps in memory_retries(strategy, global_batch // dp):
+        retries = memory_retries(strategy, global_batch // dp)
+        pipelined = any(steps == 1 and tried != strategy for tried, steps in retries)
+        faster = None  # a pipeline that fits tries more microbatches while its step gets faster (the bubble)
+        for tried, steps in retries:
             key = (repr(tried), steps)  # a pipeline's retry with 2p microbatches is also a layout of its own
             if key not in fitted:
                 row = row_of(tried, dims, dp)
-                costed = _costed(dict(row, dims=dict(row["dims"], accumulation=steps)), model, tried, dims, steps,
+                accumulated = [f"gradient_accumulation x{steps}"] if steps > 1 else []  # the method that applies it
+                costed = _costed(dict(row, dims=dict(row["dims"], accumulation=steps), names=row["names"] + accumulated),
+                                 model, tried, dims, steps,
                                  state_factor, probe_for(steps), profile, global_batch, seq_len, flops_per_token,
                                  world, memory)
                 rows.append(costed)
-                fitted[key] = costed.get("fits") is not False
-            if fitted[key]:  # fits, or no estimate: no more micro-batches to try
-                break
+                fitted[key] = (costed.get("fits") is not False, costed.get("seconds"))
+            fits, seconds = fitted[key]
+            if fits and (not pipelined or seconds is None or (faster is not None and seconds >= faster)):
+                break  # fits, or no estimate: no more micro-batches to try
+            if fits:
+                faster = seconds
     counts["costed"] = sum(1 for r in rows if "memory" in r)
     counts["over memory"] = sum(1 for r in rows if "memory" in r and not r["fits"])
     counts["no estimate"] = sum(1 for r in rows if "reason" in r)
