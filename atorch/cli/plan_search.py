@@ -99,7 +99,7 @@ def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, st
                          "virtual_stages": config.get("virtual_pipeline_size") or 1, "accumulation": 1},
                 "per_rank_batch": global_batch // dp}
 
-    fitted: dict = {}  # (strategy, accumulation) costed -> whether it fits (or has no estimate)
+    fitted: dict = {}  # (strategy, accumulation) costed -> (fits or has no estimate, estimated seconds)
     for index, strategy in enumerate(candidates, 1):
         dims = layout_dims(strategy, world)
         dp = data_parallel_size(dims)
@@ -160,7 +160,8 @@ def memory_retries(strategy, per_rank: int) -> list:
     microbatches are its accumulation, the strategy with its ``num_microbatches`` doubled while
     they divide the per-rank batch (each microbatch smaller, the bubble too: NeMo's 70B runs
     microbatches of one sequence, where the layouts' p and 2p microbatches hold 4-8 sequences a
-    microbatch on 512 ranks and never fit). Doubling keeps interleaved 1F1B's rounds whole."""
+    microbatch on 512 ranks and never fit). Doubling keeps interleaved 1F1B's rounds whole. A
+    pipeline that fits goes on while its estimated step gets faster (a smaller bubble)."""
     from atorch.auto.registry import get_method
     from atorch.auto.strategy import Strategy
 

@@ -242,7 +242,8 @@ def _pipeline_rows(memory: int) -> list[dict]:
 def test_plan_search_gives_a_pipeline_over_memory_more_microbatches_until_one_sequence():
     """A pipeline's microbatches are its accumulation: over memory, plan --search tries it again
     with them doubled while they divide the per-rank batch (NeMo's 70B runs one sequence a
-    microbatch; the layouts' p and 2p microbatches hold 4-8 on 512 ranks)."""
+    microbatch; the layouts' p and 2p microbatches hold 4-8 on 512 ranks); one that fits goes on
+    while its estimated step gets faster."""
     nothing_fits = _pipeline_rows(1)
     tried: dict = {}  # every count from the layout's own to one sequence a microbatch
     for row in nothing_fits:
@@ -254,8 +255,17 @@ def test_plan_search_gives_a_pipeline_over_memory_more_microbatches_until_one_se
         assert counts == {pipeline * 2**k for k in range(8) if pipeline * 2**k <= per_rank}, counts
     assert any("mixed_parallel" in r["names"] and r["dims"]["virtual_stages"] == 2 and "zero1" in r["names"]
                for r in nothing_fits)
-    # everything fits: no retries, the layouts' own p and 2p microbatches
-    assert {r["dims"]["microbatches"] // r["dims"]["pipeline"] for r in _pipeline_rows(2**50)} == {1, 2}
+    # everything fits: more microbatches while the estimated step gets faster (a smaller bubble)
+    fitting: dict = {}
+    for row in _pipeline_rows(2**50):
+        dims = row["dims"]
+        key = (dims["tensor"], dims["pipeline"], dims["virtual_stages"], tuple(row["names"]), row["per_rank_batch"])
+        fitting.setdefault(key, {})[dims["microbatches"]] = row["seconds"]
+    for (_, pipeline, _, _, per_rank), seconds in fitting.items():
+        most = max(seconds)
+        assert sorted(seconds) == [pipeline * 2**k for k in range(8) if pipeline * 2**k <= most], seconds
+        assert most == per_rank or seconds[most] >= seconds[most // 2], seconds
+    assert any(len(seconds) > 2 for seconds in fitting.values())  # beyond the layouts' p and 2p
 
 
 def test_deepspeeds_zero1_is_refused_beside_a_pipeline_and_the_error_names_the_fix():
