@@ -65,12 +65,14 @@ def test_a_pickled_atorch_strategy_is_never_built_by_running_code():
         pickle.loads(atorch_pickle([("amp_native", None, False)]))
 
 
-def test_pickling_says_it_leaves_out_code_only_settings(caplog):
+def test_pickling_says_it_leaves_out_code_only_settings(caplog, monkeypatch):
     import logging
     import pickle
 
     from atorch.auto.strategy import Strategy
     from atorch.sharding.deepspeed_config import TrustedDsConfig
+
+    monkeypatch.setattr(logging.getLogger("atorch"), "propagate", True)  # to caplog's handler
 
     trusted = Strategy(["parallel_mode", ("zero2", {"use_ds_zero": True, "trusted_ds_config": TrustedDsConfig({})})])
     with caplog.at_level(logging.WARNING, logger="atorch"):
