@@ -147,6 +147,7 @@ def _estimated_and_measured() -> dict:
     return out
 
 
+@pytest.mark.slow  # 6 s; tests/auto/search/test_cost_memory.py checks accumulation's memory term in the default run
 def test_its_memory_estimate_is_within_10_percent_of_the_measured_peak():
     pytest.importorskip("transformers")
     peaks = run_distributed(_estimated_and_measured, 2)[0]
