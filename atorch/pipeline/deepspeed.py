@@ -12,6 +12,7 @@ from atorch.auto.context import ModelContext
 from atorch.errors import NotSupportedError
 from atorch.pipeline.layouts import layout_for
 from atorch.pipeline.loss import pick_loss, split_batch
+from atorch.utils.optim import OptimizerWrapper
 
 
 def pipeline_module(ctx: ModelContext, partition_method: str):
@@ -77,21 +78,10 @@ class DeepSpeedPipelineCall(torch.nn.Module):
         return self.engine.train_batch(iter(items))
 
 
-class SteppedByEngine:
+class SteppedByEngine(OptimizerWrapper):
     """``result.optim`` of ds_3d_parallel: the engine already stepped the optimizer inside the
     model call (``result.args["step_in_forward"]``), so ``step`` and ``zero_grad`` do nothing;
-    ``param_groups`` and ``state`` are the real optimizer's (learning-rate schedulers use it)."""
-
-    def __init__(self, optimizer):
-        self.optimizer = optimizer
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
+    ``param_groups``, ``state`` and the rest are the real optimizer's (learning-rate schedulers use it)."""
 
     def step(self, closure=None):
         return None
