@@ -74,10 +74,14 @@ def _hand_on(pipe, call: fx.Node, value: fx.Node, example: torch.Tensor) -> fx.N
     graph = pipe.split_gm.graph
     submodule = pipe.split_gm.get_submodule(call.target)
     inner = submodule.graph
-    last = [node for node in inner.nodes if node.op == "placeholder"][-1]
-    with inner.inserting_after(last):
-        taken = inner.placeholder(f"relayed_{value.name}")
-    taken.meta["val"] = example
+    placeholders = [node for node in inner.nodes if node.op == "placeholder"]
+    if value in call.args:  # the stage uses the value itself: it returns the input it already takes
+        # (taking it twice would make the stage receive it twice while its sender sends it once)
+        taken = placeholders[call.args.index(value)]
+    else:
+        with inner.inserting_after(placeholders[-1]):
+            taken = inner.placeholder(f"relayed_{value.name}")
+        taken.meta["val"] = example
     output, values = _outputs(submodule)
     single = not isinstance(output.args[0], (tuple, list))
     output.args = (tuple(values) + (taken,),)
@@ -86,7 +90,8 @@ def _hand_on(pipe, call: fx.Node, value: fx.Node, example: torch.Tensor) -> fx.N
         with graph.inserting_after(call):
             first = graph.call_function(operator.getitem, (call, 0))
         call.replace_all_uses_with(first, delete_user_cb=lambda user: user is not first)
-    call.args = tuple(call.args) + (value,)
+    if value not in call.args:
+        call.args = tuple(call.args) + (value,)
     users = [user for user in call.users if user.target is operator.getitem]
     with graph.inserting_after(users[-1] if users else call):
         return graph.call_function(operator.getitem, (call, len(values)))
