@@ -16,14 +16,16 @@ def _env():
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache(tmp_path_factory):
-    """Search results are cached under XDG_CACHE_HOME: keep the suite's out of the user's cache."""
-    before = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    """atorch's search results and calibrations go to a folder of the suite's own, out of the
+    user's cache; torch's cache (compiled extensions: DeepSpeed's ops) stays where it is, so a run
+    does not rebuild them."""
+    before = os.environ.get("ATORCH_CACHE_DIR")
+    os.environ["ATORCH_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
     yield
     if before is None:
-        del os.environ["XDG_CACHE_HOME"]
+        del os.environ["ATORCH_CACHE_DIR"]
     else:
-        os.environ["XDG_CACHE_HOME"] = before
+        os.environ["ATORCH_CACHE_DIR"] = before
 
 
 @pytest.fixture(autouse=True)

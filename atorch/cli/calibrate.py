@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
                            help="CPU threads per rank (default: 1 with more than one rank, as torchrun sets)")
     calibrate.add_argument("--refresh", action="store_true", help="measure again even if a calibration is cached")
     calibrate.add_argument("--cache-dir", default=None, help="where calibrations are kept (default "
-                           "$XDG_CACHE_HOME/atorch/calibration, else ~/.cache/atorch/calibration)")
+                           "$ATORCH_CACHE_DIR/calibration, else $XDG_CACHE_HOME/atorch/calibration, else "
+                           "~/.cache/atorch/calibration)")
     calibrate.add_argument("--json", action="store_true", help="print the calibration file's JSON")
     calibrate.set_defaults(func=cmd_calibrate)
 

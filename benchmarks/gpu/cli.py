@@ -12,12 +12,12 @@ failed (the report says which), 3 when the budget ran out first (run the same co
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from atorch.utils.cache_dir import cache_root
 from benchmarks.gpu.state import FINISHED, State
 from benchmarks.gpu.steps import ROOT, STEPS, Run, units
 
@@ -36,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--retry-failed", action="store_true", help="run failed units again")
     p.add_argument("--dry", action="store_true", help="the CPU dry path even where CUDA is available")
     p.add_argument("--work-dir", default=None, help="the run's folder (state, logs, calibration); default "
-                   "$XDG_CACHE_HOME/atorch/gpu-check/<device>")
+                   "$ATORCH_CACHE_DIR/gpu-check/<device>, else $XDG_CACHE_HOME/atorch/...")
     p.add_argument("--out-dir", default=None, help="where gpu_<device>_<date>.{json,md} go (default: "
                    "benchmarks/results on CUDA, the run's folder on the dry path)")
     p.add_argument("--calibration", default=None, help="take this calibration file instead of running atorch "
@@ -81,8 +81,7 @@ def make_config(args, device_name: str, slug: str, cuda: bool) -> dict:
 
 
 def default_work_dir(slug: str) -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "atorch" / "gpu-check" / slug
+    return cache_root() / "gpu-check" / slug
 
 
 def run_isolated(state: State, unit, timeout: float) -> tuple[str, dict]:

@@ -1,6 +1,6 @@
 """Search results remembered per (model, data, optimizer, world, device, budget, options).
 
-Stored as JSON under ``$XDG_CACHE_HOME/atorch/search`` (``~/.cache/atorch/search``), or the
+Stored as JSON under ``atorch.utils.cache_dir.cache_root()/search`` (``~/.cache/atorch/search``), or the
 ``search_cache_dir`` given to auto_accelerate. Rank 0 reads and writes; the others receive the
 result through a broadcast.
 """
@@ -19,12 +19,12 @@ from atorch.auto.search.agree import from_rank0
 from atorch.auto.search.report import SearchReport
 from atorch.auto.strategy import Strategy
 from atorch.distributed import env
+from atorch.utils.cache_dir import cache_root
 from atorch.utils.log import logger
 
 
 def default_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "atorch" / "search"
+    return cache_root() / "search"
 
 
 def _name(obj: Any) -> str:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from atorch.auto.search.agree import from_rank0, max_each
 from atorch.auto.search.profiles import HardwareProfile, profile_from_data
+from atorch.utils.cache_dir import cache_root
 from atorch.utils.files import write_text_atomic
 from atorch.utils.log import logger
 
@@ -56,9 +57,8 @@ WRAPPED_UNITS = 8  # FSDP2 units when timing its hooks' overhead
 
 
 def default_dir() -> Path:
-    """``$XDG_CACHE_HOME/atorch/calibration`` (``~/.cache/atorch/calibration``), beside the search cache."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "atorch" / "calibration"
+    """``cache_root()/calibration`` (``~/.cache/atorch/calibration``), beside the search cache."""
+    return cache_root() / "calibration"
 
 
 def device_name(device: torch.device) -> str:

@@ -159,7 +159,7 @@ def _step_estimate() -> tuple[float, str]:
 
 
 def test_the_search_reports_and_uses_the_calibration_of_this_machine(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("ATORCH_CACHE_DIR", str(tmp_path))
     # the optimizer's step is timed afresh by each search (not a rate of the profile): left out here
     monkeypatch.setattr(cost, "optimizer_seconds_per_byte", lambda *args: 0.0)
     nominal, text = _step_estimate()
