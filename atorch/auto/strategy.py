@@ -71,13 +71,27 @@ def _split_item(item: Any) -> tuple[str, Any]:
     )
 
 
+class MethodNames(list):
+    """A strategy's method names: a list, and also callable, since ATorch code calls
+    ``strategy.opt_names()`` (a method in ATorch) where atorch reads ``strategy.opt_names``.
+
+    Example::
+
+        names = Strategy(["parallel_mode", "amp_native"]).opt_names
+        names == names() == ["parallel_mode", "amp_native"]   # True
+    """
+
+    def __call__(self) -> list[str]:
+        return list(self)
+
+
 class Strategy:
     """An ordered list of ``(method name, config)``.
 
     Example::
 
         s = Strategy(["parallel_mode", ("amp_native", {"dtype": "bf16"})])
-        s.opt_names            # ['parallel_mode', 'amp_native']
+        s.opt_names            # ['parallel_mode', 'amp_native'] (ATorch's s.opt_names() works too)
         s.get("amp_native")    # AmpNativeConfig(dtype=torch.bfloat16, ...)
         Strategy.from_json(s.to_json()) == s   # True
     """
@@ -93,8 +107,26 @@ class Strategy:
 
     # ----- reading
     @property
-    def opt_names(self) -> list[str]:
-        return [name for name, _ in self._methods]
+    def opt_names(self) -> MethodNames:
+        return MethodNames(name for name, _ in self._methods)
+
+    def get_parallel_mode(self) -> tuple[bool, tuple | None]:
+        """ATorch's ``get_parallel_mode()``: ``(True, (dims, rank_order))`` with parallel_mode's
+        ``[(name, size), ...]`` in atorch's dim names (ATorch's "model" is "tensor", "pipe" is
+        "pipeline"), ``(True, None)`` for a parallel_mode with no config, ``(False, None)`` without one.
+
+        Example::
+
+            Strategy([("parallel_mode", ([("data", 2)], None))]).get_parallel_mode()
+            # (True, ([('data', 2)], None))
+        """
+        config = self.get("parallel_mode")
+        if config is None:
+            return False, None
+        if config.dims is None and config.rank_order is None:
+            return True, None
+        dims = None if config.dims is None else [tuple(dim) for dim in config.dims]
+        return True, (dims, None if config.rank_order is None else list(config.rank_order))
 
     def get(self, name: str) -> MethodConfig | None:
         """The config of ``name``, or ``None`` when the strategy does not contain it."""

@@ -206,3 +206,25 @@ def test_atorch_load_save_strategy_round_trips(tmp_path):
     assert atorch.get_strategy(atorch_pickle(strategy.opt_list)) == (True, strategy.to_atorch())
     assert strategy != atorch.Strategy([("parallel_mode", ([("data", 2)], None), False)])  # control
     assert strategy.opt_names() == ["parallel_mode", "amp_native"] and not strategy.is_tunable()
+
+
+def test_atorch_strategy_methods_on_atorchs_own_strategy():
+    """ATorch code calls strategy.opt_names() and get_parallel_mode() on what get_strategy and
+    auto_accelerate return, atorch's Strategy (before: 'list' object is not callable, no
+    get_parallel_mode); atorch's own reads of opt_names as a list still hold."""
+    from atorch.auto.strategy import Strategy
+
+    items = [("parallel_mode", ([("model", 2), ("data", 4)], [7, 6, 5, 4, 3, 2, 1, 0]), False),
+             ("amp_native", None, False)]
+    status, loaded = atorch.get_strategy(items)
+    assert status and isinstance(loaded, Strategy)
+    assert loaded.opt_names() == loaded.opt_names == ["parallel_mode", "amp_native"]
+    assert type(loaded.opt_names()) is list and "amp_native" in loaded.opt_names
+    found, p_mode = loaded.get_parallel_mode()  # ATorch's adjust_strategy reads it this way
+    assert found and p_mode == ([("tensor", 2), ("data", 4)], [7, 6, 5, 4, 3, 2, 1, 0])  # atorch's dim names
+    assert dict(p_mode[0])["data"] == 4 and Strategy([("parallel_mode", p_mode)]) == Strategy([items[0]])
+    assert Strategy(["parallel_mode"]).get_parallel_mode() == (True, None)  # ATorch: ("parallel_mode", None, _)
+    assert Strategy(["amp_native"]).get_parallel_mode() == (False, None)
+    # ATorch's own record keeps the config as given
+    assert atorch.Strategy(items).get_parallel_mode() == (True, items[0][1])
+    assert atorch.Strategy(items[1:]).get_parallel_mode() == (False, None)
