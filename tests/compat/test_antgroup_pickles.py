@@ -75,3 +75,24 @@ def test_pickling_says_it_leaves_out_code_only_settings(atorch_logs):
     trusted = Strategy(["parallel_mode", ("zero2", {"use_ds_zero": True, "trusted_ds_config": TrustedDsConfig({})})])
     copy = pickle.loads(pickle.dumps(trusted))
     assert copy.get("zero2").trusted_ds_config is None and "zero2.trusted_ds_config" in messages(atorch_logs)
+
+
+def test_a_strategy_pickle_calling_a_builtin_is_refused_and_runs_nothing(tmp_path):
+    """eval, exec, compile, __import__, open, getattr, ... by themselves and inside ATorch's pickled
+    Strategy. (Negative control: with ``builtins.eval`` added to ``_CONTAINERS`` and ``_CALLABLE``
+    in atorch/compat/antgroup/strategy_io.py, the eval payload runs and this fails.)"""
+    import pickle
+
+    import pytest
+
+    from atorch.compat.antgroup import read_pickled_strategy
+    from atorch.errors import StrategyFileError
+    from tests.checkpoint.test_safe_pickle import _payloads
+    from tests.compat.test_antgroup import atorch_pickle
+
+    marker = tmp_path / "ran"
+    for name, payload in _payloads(marker).items():
+        for data in (pickle.dumps(payload), atorch_pickle([("fsdp", {"x": payload}, False)])):
+            with pytest.raises(StrategyFileError, match="never runs code"):
+                read_pickled_strategy(data)
+            assert not marker.exists(), name
