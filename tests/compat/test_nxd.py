@@ -212,3 +212,39 @@ def test_nxd_embedding_generations_conflicts_are_refused():
     with pytest.raises(NotSupportedError, match="two dtypes"):
         ParallelEmbedding(VOCAB, DIM, dtype=torch.float64, params_dtype=torch.bfloat16)
     assert ParallelEmbedding(VOCAB, DIM, 3).padding_idx == 3  # today's third positional: padding_idx
+
+
+def _gathered_column() -> dict:
+    """NxD's ColumnParallelLinear(gather_output=True) at tp=2: its output, the input's gradient,
+    and its weight (and weight gradient) gathered whole."""
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(DIM, HIDDEN, gather_output=True)
+    x = torch.randn(BATCH, SEQ, DIM, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    out = layer(x)
+    (out * torch.linspace(-1, 1, HIDDEN)).square().sum().backward()  # every output feature weighs differently
+    pieces = [torch.empty_like(layer.weight.grad) for _ in range(2)]
+    dist.all_gather(pieces, layer.weight.grad, group=parallel_state.get_tensor_model_parallel_group())
+    result = {"out": out.detach(), "x_grad": x.grad, "weight": _full(layer)["weight"], "bias": layer.bias.detach(),
+              "weight_grad": torch.cat(pieces), "bias_grad": layer.bias.grad}
+    parallel_state.destroy_model_parallel()
+    return result
+
+
+def test_nxd_column_gather_output_at_tp2_equals_a_serial_linear():
+    """(Negative control: returning each rank's own slice repeated instead of gathering it, in
+    atorch/compat/nxd/parallel_layers/layers.py, fails the output check.)"""
+    for result in run_distributed(_gathered_column, 2):
+        serial = nn.Linear(DIM, HIDDEN)
+        with torch.no_grad():
+            serial.weight.copy_(result["weight"])
+            serial.bias.copy_(result["bias"])
+        x = torch.randn(BATCH, SEQ, DIM, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        out = serial(x)
+        (out * torch.linspace(-1, 1, HIDDEN)).square().sum().backward()
+        assert result["out"].shape == out.shape == (BATCH, SEQ, HIDDEN)
+        for name, got, want in (("output", result["out"], out), ("input grad", result["x_grad"], x.grad),
+                                ("weight grad", result["weight_grad"], serial.weight.grad),
+                                ("bias grad", result["bias_grad"], serial.bias.grad)):
+            diff = (got - want).abs().max().item()
+            assert diff <= 1e-5 * max(1.0, want.abs().max().item()), (name, diff)
