@@ -30,8 +30,9 @@ def test_llama_pipeline2_matches_single_process():
     reference = train_hf([])
     results = run_distributed(_schedules, 2)
     total = sum(p.numel() for p in tiny_llama().parameters())
-    for name in ("1f1b", "interleaved"):
+    for name, schedule_class in (("1f1b", "Schedule1F1B"), ("interleaved", "ScheduleInterleaved1F1B")):
         first, last = (r[name] for r in results)
+        assert first["schedule_class"] == last["schedule_class"] == schedule_class, (name, first["schedule_class"])
         assert first["losses"] == last["losses"]
         assert_losses_close(first["losses"], reference["losses"], FP32_RTOL)
         # the optimizer holds only the local stage's parameters

@@ -83,7 +83,7 @@ def train_pipelined(load_strategy, steps: int = 5) -> dict:
     local = sum(p.numel() for p in result.optim.param_groups[0]["params"])
     kinds = sorted({type(m).__name__ for _, m in result.model.local_named_modules() if "Parallel" in type(m).__name__})
     return {"losses": losses, "strategy": strategy.to_json(), "optim_numel": local, "parallel_modules": kinds,
-            "norm": norm}
+            "norm": norm, "schedule_class": type(result.model._schedule).__name__}
 
 
 class ChainData(torch.utils.data.Dataset):

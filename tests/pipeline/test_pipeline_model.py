@@ -19,6 +19,10 @@ TWO_RANK_RUNS = [
     ("interleaved", 2, ["1", "2", "4"]),
     ("zbv", 2, None),
 ]
+# The torch class each run must step (every schedule gives the serial losses, so only this tells
+# them apart: an interleaved run built as ScheduleLoopedBFS passed every other check).
+SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "zero_bubble": "ScheduleInterleavedZeroBubble",
+                    "interleaved": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble"}
 
 
 def _two_rank_runs():
@@ -30,7 +34,8 @@ def _two_rank_runs():
                               auto_partition=cuts is None, broadcast_and_average_loss=True, loss_fn=chain_loss,
                               schedule=schedule)
         out[(schedule, virtual)] = {"losses": pipeline_losses(model), "units": model.local_units,
-                                    "numel": sum(p.numel() for p in model.local_parameters())}
+                                    "numel": sum(p.numel() for p in model.local_parameters()),
+                                    "schedule_class": type(model._schedule).__name__}
     # atorch.auto.clip_grad_norm over a pipelined model: the whole model's norm
     from atorch.auto import clip_grad_norm
 
@@ -77,6 +82,7 @@ def test_schedules_on_2_ranks_match_serial(two_ranks):
     for schedule, virtual, _ in TWO_RANK_RUNS:
         runs = [r[(schedule, virtual)] for r in results]
         assert runs[0]["losses"] == runs[1]["losses"]  # broadcast_and_average_loss: every rank has it
+        assert [r["schedule_class"] for r in runs] == [SCHEDULE_CLASSES[schedule]] * 2, (schedule, virtual)
         assert_losses_close(runs[0]["losses"], reference, FP32_RTOL)
         # each rank holds only its own stages
         assert set(runs[0]["units"]).isdisjoint(runs[1]["units"])
