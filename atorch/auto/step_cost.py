@@ -61,6 +61,9 @@ class Comm:
     messages: int  # separate collectives or sends (each pays the latency)
     factor: float = 1.0  # bytes on the wire per byte of payload (a ring all-reduce: 2(n-1)/n)
     kind: str = "all_reduce"  # the collective, for its measured rate: all_reduce, all_gather, reduce_scatter, send_recv
+    # the method that launches them: each message carries that method's calibrated host overhead
+    # per launch (the profile's method_seconds; see StepCost.overheads)
+    method: str = ""
 
 
 @dataclass
@@ -177,6 +180,36 @@ class StepCost:
     # (atorch/auto/search/calibrate.py): its rates replace the nominal ones, a group that spans
     # nodes uses its inter-node link, and each collective its own measured rate when it has one
     profile: Any = None
+    # host overhead units per step by method (the profile's ``method_seconds`` each, calibrated on
+    # this machine: atorch/auto/search/calibrate.py): what a method's wrapping, hooks and Python
+    # cost beyond the operators, FLOPs and collectives counted above. A method's cost term charges
+    # them (``charge``): once a step, or per unit of what drives them (a tensor saved through a
+    # checkpoint's hooks, a collective its hooks issue); a Comm with ``method`` charges one per
+    # message. "step" is the training step's own (the loader, the optimizer's loop over
+    # parameters, zero_grad), charged to every candidate.
+    overheads: dict = field(default_factory=dict)
+
+    def charge(self, method: str, units: float = 1.0, per_micro_batch: bool = False) -> None:
+        """Charge ``units`` of ``method``'s calibrated host overhead to the step (replacing what it
+        charged before), or with ``per_micro_batch`` to each micro-batch of gradient accumulation
+        (whose term may run after this one)."""
+        self.overheads[method] = (float(units), per_micro_batch)
+
+    def overhead_units(self) -> dict:
+        """Units of each method's host overhead per step: what the terms charged, plus one per
+        message of each collective a method launches (over a group of more than one rank, per
+        micro-batch)."""
+        units = {name: n * (self.accumulation if each else 1) for name, (n, each) in self.overheads.items()}
+        for c in self.comms:
+            if c.method and self.size(c.dim) > 1:
+                units[c.method] = units.get(c.method, 0.0) + c.messages * self.accumulation
+        return units
+
+    def host_overhead(self) -> float:
+        """Seconds of the methods' calibrated host overheads per step (0 without a profile, or with
+        one that has no ``method_seconds``)."""
+        rates = getattr(self.profile, "method_seconds", None) or {}
+        return sum(units * rates.get(name, 0.0) for name, units in self.overhead_units().items())
 
     @property
     def dp_size(self) -> int:
@@ -271,6 +304,7 @@ class StepCost:
             if self.sync_in_hooks:
                 wrapped = sum(self.sync_calls.values()) * self.profile.wrapped_call_seconds
         overhead = (self.forward_ops * op_passes * op_seconds + hooks) * self.op_share * self.accumulation + wrapped
+        overhead += self.host_overhead()
         compute = max(compute, overhead) if self.device_type == "cuda" else compute + overhead
         # what a collective can hide behind: each pass's compute, shared by the collectives in it
         hides = 0.0 if self.profile is None else self.profile.overlap

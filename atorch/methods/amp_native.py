@@ -77,6 +77,7 @@ def saved_in_autocast_dtype(config: AmpNativeConfig, saved: dict) -> dict:
 
 def cost_term(config: AmpNativeConfig, cost) -> None:
     cost.compute_dtype = "half"
+    cost.charge("amp_native")  # autocast's per-step host overhead (its casts' dispatch), calibrated
     if "amp_native" not in cost.absorbed:
         # autocast keeps a low-precision copy of each weight it casts during forward (a sharding
         # method that absorbs amp gathers its weights in that dtype instead)

@@ -177,6 +177,10 @@ def cost_term(config: CheckpointConfig, cost) -> None:
     # at the end of forward; measured on the Llama workloads, 87% of the gradients were alive at
     # it. Counted whole.
     cost.backward_grad_share = 1.0
+    # the checkpoint's host overhead beyond the recompute, calibrated per tensor its hooks pack
+    # (StepCost.checkpointed_saves, per forward: each micro-batch and pipeline stage's)
+    if cost.checkpointed_saves:
+        cost.charge("checkpoint", cost.checkpointed_saves * cost.op_share, per_micro_batch=True)
     cost.estimate_low = ESTIMATE_LOW if cost.estimate_low is None else min(cost.estimate_low, ESTIMATE_LOW)
 
 

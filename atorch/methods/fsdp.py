@@ -170,6 +170,10 @@ def cost_term(config: FsdpConfig, cost) -> None:
     # root whole as it does when the value is left to it)
     cost.sync_calls = {"all_gather": calls * (2 if config.reshard_after_forward else 1), "reduce_scatter": calls}
     cost.sync_in_hooks = True  # FSDP2 issues each of them
+    # it replaces DDP: its own host overhead, calibrated, per collective its hooks issue
+    cost.overheads.pop("parallel_mode", None)
+    if cost.dp_size > 1:
+        cost.charge("fsdp", sum(cost.sync_calls.values()))
     # the next unit is gathered while this one computes; gradients reduced as backward makes them
     cost.sync_overlap = {"all_gather": ("forward", "backward"), "reduce_scatter": ("backward",)}
     accumulation_terms(cost, share)

@@ -80,6 +80,11 @@ def cost_term(config: ParallelModeConfig, cost) -> None:
     # DDP reduces the gradients through buckets of its own, allocated with it: a copy of the
     # gradients alive all the time (a method that syncs the gradients itself turns this off)
     cost.grad_buckets = True
+    # DDP's per-step host overhead (its reducer's hooks, the buckets' launches), calibrated on this
+    # machine; a pipeline averages its stages' gradients itself, a sharding method replaces DDP
+    # (each drops this charge)
+    if cost.dp_size > 1 and not {"pipeline_parallel", "mixed_parallel"} & set(cost.methods):
+        cost.charge("parallel_mode")
 
 
 register_method(

@@ -313,7 +313,8 @@ def pipeline_terms(cost, config: PipelineFields, stages: int) -> None:
     # tensor=2 x pipeline=2 with 2 virtual stages and 2 microbatches, 16 against 8 for a middle
     # rank of pipeline=4 with 4.
     hops = 4 * v - (2 if stages == 2 else 0)
-    cost.comms.append(Comm("pipeline", hops * cost.tokens * width, hops * m, kind="send_recv"))
+    cost.comms.append(Comm("pipeline", hops * cost.tokens * width, hops * m, kind="send_recv",
+                           method="pipeline_parallel"))
 
 
 def cost_term(config: PipelineParallelConfig, cost) -> None:

@@ -241,7 +241,8 @@ def tensor_terms(cost, tensor: int, sequence_parallel: bool = False, activations
                 widths += module.embedding_dim if how == "embedding" else module.out_features
                 messages += 1
         cost.comms.append(Comm("tensor", cost.tokens * widths * cost.stage_share,
-                               max(1, round(messages * cost.stage_share)), 2 * (tensor - 1) / tensor))
+                               max(1, round(messages * cost.stage_share)), 2 * (tensor - 1) / tensor,
+                               method="tensor_parallel"))
         return
     recomputed = set()
     if "checkpoint" in cost.methods:
@@ -253,7 +254,7 @@ def tensor_terms(cost, tensor: int, sequence_parallel: bool = False, activations
                                          ("all_gather", gathered, (tensor - 1) / tensor)):
         if calls:
             cost.comms.append(Comm("tensor", cost.tokens * width * cost.stage_share,
-                                   max(1, round(calls * cost.stage_share)), factor, kind))
+                                   max(1, round(calls * cost.stage_share)), factor, kind, "tensor_parallel"))
 
 
 def _features(module) -> tuple[int, int]:

@@ -87,6 +87,8 @@ PIPELINE_DS_ZERO = ("DeepSpeed's ZeRO engine runs its own backward and gradient 
 
 def cost_term(config: Zero1Config, cost) -> None:
     cost.shard_over_data(params=False, grads=False, optim=True)
+    if cost.dp_size > 1:  # the sharded optimizer's per-step host overhead (its broadcasts), calibrated
+        cost.charge("zero1")
     # a pipeline model averages its stages' gradients itself (pipeline_terms), with no DDP
     pipelined = bool({"pipeline_parallel", "mixed_parallel"} & set(cost.methods))
     cost.grad_buckets = not config.use_ds_zero and not pipelined  # DeepSpeed's engine replaces DDP

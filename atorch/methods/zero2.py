@@ -136,6 +136,10 @@ def cost_term(config: Zero2Config, cost) -> None:
         cost.sync_overlap = {"reduce_scatter": ("backward",), "all_gather": ("forward",)}
         cost.sync_in_hooks = True  # FSDP2 issues each of them
         accumulation_terms(cost, 1.0)  # reduced in fp32, the model's dtype
+    # it replaces DDP: its own host overhead, calibrated, per collective its hooks issue
+    cost.overheads.pop("parallel_mode", None)
+    if cost.dp_size > 1:
+        cost.charge("zero2", sum(cost.sync_calls.get(k, 1.0) for k in ("all_gather", "reduce_scatter")))
 
 
 def _unit_bytes(model, bucket_params: int) -> tuple[list[int], int]:

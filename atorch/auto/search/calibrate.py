@@ -3,7 +3,8 @@
 Every rank of an initialised process group calls :func:`calibrate`. It measures, in a few
 seconds: the matmul rate per dtype (fp32, bf16), the overhead per dispatched operator, and, for
 each group size (powers of two that divide the world, a node's ranks, and the world), the
-bandwidth and latency of all-reduce, all-gather, reduce-scatter and send/recv. Each collective is
+bandwidth and latency of all-reduce, all-gather, reduce-scatter and send/recv; then each method's
+host overhead per step, from dry runs of a small model (:mod:`atorch.auto.search.overheads`). Each collective is
 timed at two message sizes (median
 of a few repetitions, the slowest rank's), and the line ``time = latency + bytes / bandwidth`` is
 drawn through the two points, with bytes counted the way the cost model counts them (an all-reduce of
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from atorch.auto.search.agree import from_rank0, max_each
+from atorch.auto.search.overheads import measure_method_seconds
 from atorch.auto.search.profiles import HardwareProfile, profile_from_data
 from atorch.utils.cache_dir import cache_root
 from atorch.utils.files import write_text_atomic
@@ -124,6 +126,9 @@ def _check_cached(path: Path, device: torch.device) -> tuple[dict | None, str]:
                                  or "attention_flops" not in data):
         return None, (f"{path} was measured before a CPU's bf16 rate was taken from a model's step under autocast "
                       "and its attention rates were measured (run atorch calibrate --refresh)")
+    if "method_seconds" not in data:
+        return None, (f"{path} was measured before the methods' host overheads were (run atorch calibrate "
+                      "--refresh)")
     taken, now = data.get("calibration", {}), _setting(device)
     changed = [f"{key} {taken.get(key)} there, {value} here" for key, value in now.items() if taken.get(key) != value]
     if changed:
@@ -217,7 +222,7 @@ def measure(device: torch.device) -> dict:
                               f"{MESSAGE_BYTES.get(device.type, MESSAGE_BYTES['cpu'])} bytes (the small {SMALL_BATCH} at a time), median "
                               f"of {REPEATS}, "
                               "the slowest rank's; bytes as the cost model counts them per rank"}
-    return from_rank0({
+    data = from_rank0({
         "name": f"calibrated-{device_name(device)}-world{world}",
         "description": f"{world} x {device_name(device)} on {platform.node()}, {local} per node",
         "matmul_flops": matmul,
@@ -236,6 +241,11 @@ def measure(device: torch.device) -> dict:
                         "seconds": seconds, "torch": torch.__version__, **cpu_rates},
         "sources": sources,
     })
+    # then the methods' host overheads, against estimates at the rates just measured
+    data["method_seconds"], method_how = measure_method_seconds(data)
+    data["sources"]["method_seconds"] = f"{how}: {method_how}"
+    data["calibration"]["seconds"] = time.perf_counter() - began
+    return data
 
 
 def _memory(device: torch.device, local: int) -> int:

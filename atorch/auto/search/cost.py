@@ -476,6 +476,7 @@ def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int],
     cost.checkpointed_saves = checkpointed_saves
     cost.unit_spans = tuple(unit_spans)
     cost.attention_flops = attention_flops
+    cost.charge("step")  # the training step's own host overhead (StepCost.overheads)
     for name, config in strategy.items():
         term = get_method(name).cost_term
         if term is not None:

@@ -6,6 +6,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -78,6 +79,9 @@ class SearchOptions:
     budget_is_device_memory: bool = False
     # estimated / measured peak memory, lowest and highest (see cost.ESTIMATE_RATIO)
     estimate_ratio: tuple[float, float] = cost.ESTIMATE_RATIO
+    # rates to estimate with in place of this machine's cached calibration (calibration itself
+    # measures the methods' overheads against estimates at the rates it has just measured)
+    profile: Any = None
 
 
 def estimate_candidate(model, strategy, dp_size, state_factor, probe,
@@ -183,7 +187,10 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
     optim_rate = from_rank0(cost.optimizer_seconds_per_byte(probe_ctx.optim_func, probe_ctx.optim_args,
                                                             device_ctx.device))
     # This machine's calibrated rates when `atorch calibrate` has measured them, nominal otherwise.
-    rates, report.rates = cached_rates(device_ctx.device, device_ctx.world_size)
+    if options.profile is not None:
+        rates, report.rates = options.profile, f"the rates given ({options.profile.name})"
+    else:
+        rates, report.rates = cached_rates(device_ctx.device, device_ctx.world_size)
     micro_batches: dict[int, object] = {}  # per data-parallel size: the batch one data rank gets
 
     probes: dict = {}  # cost._probe's memo: one forward per distinct probe (micro_batches keeps the batches)
@@ -283,6 +290,7 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
             result.estimated_peak_bytes = int(total)
             result.estimate_breakdown = memory.as_dict()
             result.estimated_step_seconds = step_seconds
+            result.estimate_overheads = estimate.overhead_units() if estimate is not None else None
             # Only what is over the budget beyond the estimate's known error is pruned: a
             # candidate near the boundary is dry-run, and its measured peak decides.
             if result.reason is None and cost.surely_over(result.estimated_peak_bytes, budget, ratio):

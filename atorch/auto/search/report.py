@@ -20,6 +20,8 @@ class CandidateResult:
     estimated_peak_bytes: int | None = None
     estimate_breakdown: dict | None = None
     estimated_step_seconds: float | None = None
+    # units of each method's host overhead the step estimate charged (StepCost.overhead_units)
+    estimate_overheads: dict | None = None
     measured_peak_bytes: int | None = None
     throughput: float | None = None  # global samples per second
     # each dry run's, when it was timed again over more steps (a close call); throughput is then

@@ -11,7 +11,8 @@ the framework overhead per dispatched operator (calibrated; 0 when absent); ``ov
 share of an early-issued data-parallel collective that runs behind compute (0 when absent);
 ``checkpoint_save_seconds`` what checkpointing adds per tensor a checkpointed block saves, beyond
 its recompute, and ``wrapped_call_seconds`` the host time FSDP2 spends per collective its hooks
-issue (both calibrated; 0 when absent).
+issue (both calibrated; 0 when absent); ``method_seconds`` each method's host overhead per unit
+its cost term charges (calibrated; none when absent).
 The cost model (:meth:`atorch.auto.search.cost.StepCost.seconds`) uses a profile's rates in place
 of its nominal ones, and ``atorch plan --search --profile NAME`` plans with it::
 
@@ -81,6 +82,10 @@ class HardwareProfile:
     # device seconds each dispatched operator costs beyond its FLOPs (a kernel's launch and tail):
     # what makes small micro-batches and narrow models fill the GPU less; 0 when absent
     kernel_seconds: float = 0.0
+    # host seconds of each method's overhead per unit it charges (StepCost.overheads; "step": the
+    # training step's own, charged once a step to every candidate): measured by calibration as what
+    # dry runs of a small model take beyond the rest of the estimate; empty in a datasheet profile
+    method_seconds: dict = field(default_factory=dict)
 
     def peak(self, compute_dtype: str) -> float:
         """Peak dense FLOP/s for the cost model's compute dtype ("half" or "fp32")."""
@@ -158,6 +163,9 @@ def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwarePro
     for key, value in host.items():
         if not (math.isfinite(value) and value >= 0):
             raise UnknownProfileError(f"hardware profile {path}: {key} must not be negative")
+    methods = {str(k): float(v) for k, v in data.get("method_seconds", {}).items()}
+    if not all(math.isfinite(v) and v >= 0 for v in methods.values()):
+        raise UnknownProfileError(f"hardware profile {path}: method_seconds must be seconds, not negative")
     attention = {k: float(v) for k, v in data.get("attention_flops", {}).items()}
     if not all(math.isfinite(v) and v > 0 for v in attention.values()):
         raise UnknownProfileError(f"hardware profile {path}: attention_flops must be positive")
@@ -184,5 +192,6 @@ def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwarePro
         attention_flops=attention,
         nics_per_node=int(data.get("nics_per_node", 1)),
         kernel_seconds=float(data.get("kernel_seconds", 0.0)),
+        method_seconds=methods,
         **host,
     )
