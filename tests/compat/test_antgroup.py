@@ -105,10 +105,10 @@ def _groups() -> dict:
     return out
 
 
-def _train(load_strategy, **kwargs) -> dict:
+def _train(load_strategy, dataset=None, **kwargs) -> dict:
     torch.manual_seed(0)
     status, result, strategy = atorch.auto_accelerate(
-        Net(), torch.optim.SGD, Rows(), _loss, optim_args={"lr": LR}, dataloader_args={"shuffle": False},
+        Net(), torch.optim.SGD, Rows() if dataset is None else dataset, _loss, optim_args={"lr": LR}, dataloader_args={"shuffle": False},
         batch_size=GLOBAL_BATCH, model_input_format="unpack_dict", load_strategy=load_strategy, **kwargs)
     model, optim, losses = result.model, result.optim, []
     for _, batch in zip(range(STEPS), result.dataloader):

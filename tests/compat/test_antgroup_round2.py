@@ -1,6 +1,7 @@
 """ATorch code shapes, round 2 (issue 39): the parallel-group getters after auto_accelerate's
 parallel_mode, ATorch's ColumnParallelLinear contract (output split), the amp optimizer's
-BF16GradScaler and unwrapped bf16 optimizer, is_coworker; on 2 gloo ranks against one process."""
+BF16GradScaler and unwrapped bf16 optimizer, is_coworker; on 2 gloo ranks against one process
+(4 ranks: test_antgroup_4_ranks.py)."""
 
 import pytest
 import torch
@@ -28,18 +29,19 @@ def _inputs():
 
 def _amp(config: dict):
     torch.manual_seed(0)
-    status, result, _ = atorch.auto_accelerate(
+    status, result, strategy = atorch.auto_accelerate(
         Net(), torch.optim.SGD, Rows(), _loss, optim_args={"lr": LR}, dataloader_args={"batch_size": 8},
         model_input_format="unpack_dict", load_strategy=[("parallel_mode", ([("data", dist.get_world_size())], None),
                                                           False), ("amp_native", config, False)])
     assert status
-    return result
+    return result, strategy
 
 
 def _round2() -> dict:
-    out = {}
+    out, world = {}, dist.get_world_size()
     # item 5: the getters after auto_accelerate applied parallel_mode (no create_parallel_group)
-    result = _amp({"dtype": torch.bfloat16, "skip_if_nonfinite": True})
+    result, strategy = _amp({"dtype": torch.bfloat16, "skip_if_nonfinite": True})
+    out["best"] = (strategy.opt_names(), strategy.get_parallel_mode())  # ATorch's calls on best_strategy
     out["getters"] = (atorch.parallel_instance_num(), atorch.parallel_instance_index(),
                       atorch.parallel_group_size("data"), atorch.parallel_rank("data"),
                       dist.get_process_group_ranks(atorch.parallel_group("data")),
@@ -61,7 +63,7 @@ def _round2() -> dict:
     out["flags"] = flags
     atd.destroy_parallel_group()
     # item 8: ATorch's ColumnParallelLinear keeps its output split
-    atorch.create_parallel_group(([("model", 2)], None))
+    atorch.create_parallel_group(([("model", world)], None))
     up, down = _mlp()
     x = _inputs()
     hidden = up(x)
@@ -89,22 +91,30 @@ def _round2() -> dict:
 
 
 def test_atorch_round2_on_2_ranks_matches_one_process():
+    check_round2(run_distributed(_round2, 2))
+
+
+def check_round2(results: list) -> None:
+    """Each rank's _round2 against the whole layers in one process."""
     up, down = _mlp()  # no groups: the whole layers, under the same seed
     x = _inputs()
     hidden = up(x)
     y = down(F.gelu(hidden))
     y.square().sum().backward()
-    for rank, result in enumerate(run_distributed(_round2, 2)):
-        assert result["getters"] == (1, 0, 2, rank, [0, 1], None, ([("data", 2)], None)), result["getters"]
+    world = len(results)
+    for rank, result in enumerate(results):
+        assert result["getters"] == (1, 0, world, rank, list(range(world)), None, ([("data", world)], None)), result
+        assert result["best"] == (["parallel_mode", "amp_native"], (True, ([("data", world)], None))), result["best"]
         assert result["scaler"] == ("BF16GradScaler", 1.0, 1.0, 1.0)
         assert result["unchanged"] and result["flags"] == [(True, True), (False, False)], result["flags"]
-        mlp, part = result["mlp"], slice(rank * 8, (rank + 1) * 8)
-        assert mlp["hidden"].shape == (4, 8)  # split output, as in ATorch (atorch's default gathers: 16)
+        width = 16 // world
+        mlp, part = result["mlp"], slice(rank * width, (rank + 1) * width)
+        assert mlp["hidden"].shape == (4, width)  # split output, as in ATorch (atorch's default gathers: 16)
         assert (mlp["hidden"] - hidden[:, part]).abs().max().item() <= 1e-5
         assert (mlp["y"] - y).abs().max().item() <= 1e-5 * y.abs().max().item()
         assert (mlp["up_grad"] - up.weight.grad[part]).abs().max().item() <= 1e-5 * up.weight.grad.abs().max().item()
         assert (mlp["down_grad"] - down.weight.grad[:, part]).abs().max().item() <= 1e-5 * down.weight.grad.abs().max()
-        assert torch.equal(mlp["up_bias"], torch.zeros(8))  # ATorch starts biases at zero
+        assert torch.equal(mlp["up_bias"], torch.zeros(width))  # ATorch starts biases at zero
         assert "master weights" in result.get("zero1", ""), result.get("zero1")
         assert result["fsdp_units"] == (2, 3)  # the two blocks, and the root
 
