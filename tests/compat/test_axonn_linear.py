@@ -1,6 +1,6 @@
 """AxoNN's default ``Linear`` contract on atorch.compat.axonn: every rank passes its own samples
 (whole features) and gets their whole output, on row-2, column-2, 2x2 and depth grids, against a
-serial ``nn.Linear`` on the whole batch; the same batch fed to atorch's default contract is an
+serial ``nn.Linear`` on the whole batch, on 4 ranks and on 2; the same batch fed to atorch's default contract is an
 error, never a wrong output."""
 
 import pytest
@@ -14,16 +14,21 @@ from atorch.errors import AtorchConfigError
 from tests.helpers.dist import run_distributed
 
 IN, OUT = 8, 12
-# AxoNN's order: (G_inter, G_data, G_intra_r, G_intra_c, G_intra_d), on 4 ranks
-GRIDS = {"row-2": (1, 2, 2, 1, 1), "column-2": (1, 2, 1, 2, 1), "2x2x1": (1, 1, 2, 2, 1),
-         "depth-2 x row-2": (1, 1, 2, 1, 2)}
+# AxoNN's order: (G_inter, G_data, G_intra_r, G_intra_c, G_intra_d), by world size
+GRIDS = {4: {"row-2": (1, 2, 2, 1, 1), "column-2": (1, 2, 1, 2, 1), "2x2x1": (1, 1, 2, 2, 1),
+             "depth-2 x row-2": (1, 1, 2, 1, 2)},
+         2: {"row-2": (1, 1, 2, 1, 1), "column-2": (1, 1, 1, 2, 1)}}
 ROWS = [3, 1, 4, 2]  # every rank its own number of samples (the last batch of an epoch)
+
+
+def _rows() -> list[int]:
+    return ROWS[:dist.get_world_size()]
 
 
 def _global_batch() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(sum(ROWS), IN, generator=gen) * 0.1
-    grad_weights = torch.randn(sum(ROWS), OUT, generator=gen)  # d loss / d output, different per element
+    x = torch.randn(sum(_rows()), IN, generator=gen) * 0.1
+    grad_weights = torch.randn(sum(_rows()), OUT, generator=gen)  # d loss / d output, different per element
     return x, grad_weights
 
 
@@ -96,9 +101,9 @@ def _model_case(grid) -> dict:
         model = mlp()
     model.load_state_dict(serial.state_dict())
     x_all, target_all = _global_batch()
-    x_all, target_all = x_all[:8], target_all[:8]  # 2 rows a rank: equal shares, so the mean of means is the mean
+    rank, rows = dist.get_rank(), 2 * dist.get_world_size()
+    x_all, target_all = x_all[:rows], target_all[:rows]  # 2 rows a rank: equal shares, so the mean of means is the mean
     nn.functional.mse_loss(serial(x_all), target_all).backward()
-    rank = dist.get_rank()
     nn.functional.mse_loss(model(x_all[2 * rank:2 * rank + 2]), target_all[2 * rank:2 * rank + 2]).backward()
     ax.sync_gradients(model, mean=True)
     diffs = {}
@@ -111,15 +116,15 @@ def _model_case(grid) -> dict:
 
 
 def _all(names) -> dict:
-    out = {}
-    for name, grid in ((n, GRIDS[n]) for n in names):
+    out, grids = {}, GRIDS[dist.get_world_size()]
+    for name, grid in ((n, grids[n]) for n in names):
         for bias in (True, False):
             for transpose in (False, True):
                 out[(name, bias, transpose)] = _layer_case(grid, bias, transpose)
         out[(name, "same samples")] = _same_samples_still_right(grid)
         out[(name, "model")] = _model_case(grid)
-    out["refused"] = _atorch_default_refuses(GRIDS["row-2"])
-    out["refused column"] = _atorch_default_refuses(GRIDS["column-2"])
+    out["refused"] = _atorch_default_refuses(grids["row-2"])
+    out["refused column"] = _atorch_default_refuses(grids["column-2"])
     return out
 
 
@@ -130,7 +135,11 @@ def test_axonn_default_linear_on_a_2x2_grid():
 
 @pytest.mark.slow
 def test_axonn_default_linear_takes_each_ranks_own_samples_on_4_ranks():
-    _assert_matches(run_distributed(_all, 4, list(GRIDS)))
+    _assert_matches(run_distributed(_all, 4, list(GRIDS[4])))
+
+
+def test_axonn_default_linear_on_2_ranks_row_2_and_column_2():
+    _assert_matches(run_distributed(_all, 2, list(GRIDS[2])))
 
 
 def _assert_matches(results: list) -> None:
