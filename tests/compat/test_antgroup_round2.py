@@ -31,8 +31,9 @@ def _amp(config: dict):
     torch.manual_seed(0)
     status, result, strategy = atorch.auto_accelerate(
         Net(), torch.optim.SGD, Rows(), _loss, optim_args={"lr": LR}, dataloader_args={"batch_size": 8},
-        model_input_format="unpack_dict", load_strategy=[("parallel_mode", ([("data", dist.get_world_size())], None),
-                                                          False), ("amp_native", config, False)])
+        model_input_format="unpack_dict",  # ATorch's Strategy object as load_strategy (item 4)
+        load_strategy=atorch.Strategy([("parallel_mode", ([("data", dist.get_world_size())], None), False),
+                                       ("amp_native", config, False)]))
     assert status
     return result, strategy
 
@@ -61,6 +62,11 @@ def _round2() -> dict:
         if step == 0:
             out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, result.model.parameters()))
     out["flags"] = flags
+    atd.destroy_parallel_group()
+    # item 3: bf16 without skip_if_nonfinite: ATorch leaves the optimizer unwrapped; item 8: is_coworker
+    plain = _amp({"dtype": torch.bfloat16})[0].optim
+    out["unwrapped"] = (type(plain).__name__, hasattr(plain, "grad_scaler"), hasattr(plain, "step_was_skipped"),
+                        atorch.is_coworker())
     atd.destroy_parallel_group()
     # item 8: ATorch's ColumnParallelLinear keeps its output split
     atorch.create_parallel_group(([("model", world)], None))
@@ -107,6 +113,7 @@ def check_round2(results: list) -> None:
         assert result["best"] == (["parallel_mode", "amp_native"], (True, ([("data", world)], None))), result["best"]
         assert result["scaler"] == ("BF16GradScaler", 1.0, 1.0, 1.0)
         assert result["unchanged"] and result["flags"] == [(True, True), (False, False)], result["flags"]
+        assert result["unwrapped"] == ("SGD", False, False, False), result["unwrapped"]
         width = 16 // world
         mlp, part = result["mlp"], slice(rank * width, (rank + 1) * width)
         assert mlp["hidden"].shape == (4, width)  # split output, as in ATorch (atorch's default gathers: 16)
