@@ -77,7 +77,8 @@ def saved_in_autocast_dtype(config: AmpNativeConfig, saved: dict) -> dict:
 
 def cost_term(config: AmpNativeConfig, cost) -> None:
     cost.compute_dtype = "half"
-    cost.charge("amp_native")  # autocast's per-step host overhead (its casts' dispatch), calibrated
+    # autocast's host overhead, calibrated per forward operator it dispatches (its casts)
+    cost.charge("amp_native", cost.forward_ops * cost.op_share, per_micro_batch=True)
     if "amp_native" not in cost.absorbed:
         # autocast keeps a low-precision copy of each weight it casts during forward (a sharding
         # method that absorbs amp gathers its weights in that dtype instead)

@@ -13,8 +13,8 @@ zero1, zero2, fsdp, checkpointing and amp over every rank, tensor=2, and pipelin
 microbatches. Each gives one equation: measured step - estimated step (at the rates just measured,
 without these overheads) = the sum over the methods of the units its estimate charges
 (``StepCost.overhead_units``: "step" once for every candidate, DDP once a step, a tensor layer
-per collective it launches, a pipeline per send, a checkpoint per tensor its hooks pack, a sharding
-wrapper per collective its hooks issue) x that method's seconds per unit. The seconds are the
+per collective it launches, a pipeline per stage-microbatch a rank runs, a checkpoint per tensor its hooks pack, a sharding
+wrapper per collective its hooks issue, autocast per forward operator) x that method's seconds per unit. The seconds are the
 non-negative least-squares solution. Without transformers nothing is measured (no overheads).
 
     >>> fit_seconds([({"step": 1.0}, 0.02), ({"step": 1.0, "zero1": 1.0}, 0.05)])
@@ -29,7 +29,10 @@ from atorch.utils.log import logger, quiet
 # the calibration Llama: hidden, blocks, heads, vocabulary, tokens a sample; samples a rank
 LLAMA = {"hidden": 64, "layers": 4, "heads": 4, "vocab": 256, "seq": 32}
 SAMPLES_PER_RANK = 2
-TIMED_STEPS = 5
+TIMED_STEPS = 10
+# Each candidate is dry-run this many times, each run an equation of the fit: one reading on a
+# shared machine put amp's overhead at 4x another's
+ROUNDS = 2
 
 
 def wanted(world: int) -> list[tuple[tuple[str, ...], str]]:
@@ -93,20 +96,22 @@ def measure_method_seconds(data: dict) -> tuple[dict, str]:
     global_batch = SAMPLES_PER_RANK * device_ctx.world_size
     chosen = candidates(model, device_ctx, global_batch)
     profile = profile_from_data({**data, "method_seconds": {}}, "calibration")
-    with quiet():
-        report = measure(model, chosen, torch.optim.AdamW, dataset, loss_func, profile=profile,
-                         timed_steps=TIMED_STEPS, max_dryruns=len(chosen), optim_args={"lr": 1e-3},
-                         dataloader_args={"batch_size": global_batch, "shuffle": False},
-                         model_input_format="unpack_dict")
-    rows = [(c.estimate_overheads or {}, global_batch / c.throughput - c.estimated_step_seconds)
-            for c in report.candidates if c.throughput and c.estimated_step_seconds]
-    failed = [" + ".join(c.names) for c in report.candidates if not c.throughput]
-    if failed:
-        logger.warning("calibration: %s did not run (%s); their overheads are not measured", failed,
-                       "; ".join(str(c.reason) for c in report.candidates if not c.throughput))
+    rows = []
+    for _ in range(ROUNDS):
+        with quiet():
+            report = measure(model, chosen, torch.optim.AdamW, dataset, loss_func, profile=profile,
+                             timed_steps=TIMED_STEPS, max_dryruns=len(chosen), optim_args={"lr": 1e-3},
+                             dataloader_args={"batch_size": global_batch, "shuffle": False},
+                             model_input_format="unpack_dict")
+        rows += [(c.estimate_overheads or {}, global_batch / c.throughput - c.estimated_step_seconds)
+                 for c in report.candidates if c.throughput and c.estimated_step_seconds]
+        failed = [" + ".join(c.names) for c in report.candidates if not c.throughput]
+        if failed:
+            logger.warning("calibration: %s did not run (%s); their overheads are not measured", failed,
+                           "; ".join(str(c.reason) for c in report.candidates if not c.throughput))
     seconds = from_rank0(fit_seconds(rows))
     size = ", ".join(f"{k} {v}" for k, v in LLAMA.items())
-    how = (f"dry runs ({TIMED_STEPS} timed steps) of {len(rows)} candidates of the search's space on a Llama ({size}; "
+    how = (f"{len(rows)} dry runs ({TIMED_STEPS} timed steps; {ROUNDS} of each) of {len(chosen)} candidates of the search's space on a Llama ({size}; "
            f"{SAMPLES_PER_RANK} samples a rank): measured step - estimated step without these overheads, "
            "fit as units charged x seconds per unit (non-negative least squares)")
     return seconds, how

@@ -50,7 +50,7 @@ def test_each_method_charges_its_own_units():
     assert _units([*ddp, "checkpoint"], {"data": 2}, checkpointed_saves=40)["checkpoint"] == 40
     assert _units([*ddp, "checkpoint", ("gradient_accumulation", {"steps": 2})], {"data": 2},
                   checkpointed_saves=40)["checkpoint"] == 80
-    # tensor and pipeline layouts: one unit per message they launch
+    # a tensor layout: one unit per message it launches
     tensor = cost.build_cost(_llama(), Strategy([("parallel_mode", {"dims": [("tensor", 2)]}), "tensor_parallel"]),
                              {"tensor": 2}, 2.0, 0, 1e6, 32, "cpu")
     launched = sum(c.messages for c in tensor.comms if c.dim == "tensor")
@@ -58,7 +58,11 @@ def test_each_method_charges_its_own_units():
     pipe = cost.build_cost(_llama(), Strategy([("parallel_mode", {"dims": [("pipeline", 2)]}),
                                                ("pipeline_parallel", {"num_microbatches": 4})]),
                            {"pipeline": 2}, 2.0, 0, 1e6, 32, "cpu")
-    assert pipe.overhead_units() == {"step": 1.0, "pipeline_parallel": 2 * 4}  # 2 sends a microbatch on 2 ranks
+    assert pipe.overhead_units() == {"step": 1.0, "pipeline_parallel": 4}  # per microbatch a rank's stage runs
+    # autocast: per forward operator
+    amp = cost.build_cost(_llama(), Strategy([*ddp, "amp_native"]), {"data": 2}, 2.0, 0, 1e6, 32, "cpu",
+                          forward_ops=120)
+    assert amp.overhead_units()["amp_native"] == 120
 
 
 def test_the_estimate_charges_units_times_the_calibrated_seconds():
