@@ -21,7 +21,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, nproc: int, port: int, backend: str, threads: int | None, fn, args, kwargs, queue) -> None:
+def run_rank(rank: int, nproc: int, port: int, backend: str, threads: int | None, fn, args, kwargs, report) -> None:
+    """One rank's part of a run in this process: join the group, call ``fn``, leave together.
+    ``report(True, the result as torch.save bytes)`` or ``report(False, the traceback)`` is called
+    before the group is destroyed (a failing rank's own traceback reaches the parent before its
+    peers fail on the closed connection)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nproc),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc))
     if threads is not None:  # as torchrun does: ranks sharing a machine do not fight over its cores
@@ -40,12 +44,16 @@ def _worker(rank: int, nproc: int, port: int, backend: str, threads: int | None,
         # memory, which is gone once it exits.
         buffer = io.BytesIO()
         torch.save(result, buffer)
-        queue.put((rank, True, buffer.getvalue()))
+        report(True, buffer.getvalue())
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        queue.put((rank, False, traceback.format_exc()))
+        report(False, traceback.format_exc())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _worker(rank: int, nproc: int, port: int, backend: str, threads: int | None, fn, args, kwargs, queue) -> None:
+    run_rank(rank, nproc, port, backend, threads, fn, args, kwargs, lambda ok, value: queue.put((rank, ok, value)))
 
 
 def run_local(fn: Callable[..., Any], nproc: int, args: tuple = (), kwargs: dict | None = None, *,

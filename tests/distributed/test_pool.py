@@ -1,0 +1,46 @@
+"""The kept ranks of tests/helpers/pool.py give each run what a fresh process would: the caller's
+environment, atorch's module state as imported, a new group; a failed run gets new ranks."""
+
+import os
+
+import pytest
+
+from tests.helpers import pool
+from tests.helpers.dist import run_distributed
+
+
+def _leave_state_behind() -> dict:
+    import torch.distributed as dist
+
+    from atorch import parallel_state
+    from atorch.auto.search import agree
+
+    seen = {"pid": os.getpid(), "timeout": agree._wanted_timeout, "topology": parallel_state._CURRENT,
+            "env": os.environ.get("ATORCH_POOL_PROBE"), "rank": dist.get_rank()}
+    agree.set_timeout(2.0)
+    parallel_state._CURRENT = "left behind"  # as auto_accelerate's topology stays after a run
+    return seen
+
+
+def _fail_on_rank_1():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 was told to fail")
+    dist.barrier()
+
+
+def test_a_kept_rank_starts_each_run_as_a_fresh_one(monkeypatch):
+    if not pool.pooled(2):
+        pytest.skip("ATORCH_TEST_FRESH_RANKS=1: every run has new ranks")
+    first = run_distributed(_leave_state_behind, 2)
+    monkeypatch.setenv("ATORCH_POOL_PROBE", "seen")
+    second = run_distributed(_leave_state_behind, 2)
+    assert [r["pid"] for r in second] == [r["pid"] for r in first]  # the same processes
+    for rank, seen in enumerate(second):
+        assert seen["rank"] == rank and seen["env"] == "seen"
+        assert seen["timeout"] is None and seen["topology"] is None, seen
+    with pytest.raises(AssertionError, match="(?s)rank 1:.*ValueError: rank 1 was told to fail"):
+        run_distributed(_fail_on_rank_1, 2)
+    third = run_distributed(_leave_state_behind, 2)
+    assert not {r["pid"] for r in third} & {r["pid"] for r in first}  # a failure retires the ranks
