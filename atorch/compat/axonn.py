@@ -7,8 +7,9 @@ AxoNN code runs with its imports changed::
 
 ``Linear`` and ``auto_parallelize`` here keep AxoNN's default contract: each rank passes its own
 samples with whole features (``atorch.intra_layer.Linear(batch_per_rank=True)``), and
-``expert_mode=True`` is AxoNN's sliced one. ``sync_gradients``, ``clip_grad_norm_``,
-``optimize_communication``, ``drop`` and ``gather`` are atorch.intra_layer's.
+``expert_mode=True`` is AxoNN's sliced one. ``clip_grad_norm_``, ``optimize_communication``,
+``drop`` and ``gather`` are atorch.intra_layer's; ``sync_gradients`` is too, and does nothing
+inside ``no_grad_sync()``, as in AxoNN.
 
     ax.init(1, 2, 2, mixed_precision=True)         # G_inter, G_data, G_intra_r (AxoNN's order)
     loader = ax.create_dataloader(dataset, 64, 8)  # global batch, micro batch
@@ -26,6 +27,8 @@ not from the global rank; AxoNN's MPI pipeline (``G_inter > 1``) and CPU offload
 ported (atorch's ``pipeline_parallel`` method pipelines models).
 """
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -34,7 +37,7 @@ from atorch.data import create_dataloader as _create_dataloader
 from atorch.distributed.env import init_distributed
 from atorch.distributed.topology import Topology
 from atorch.errors import AtorchConfigError, NotSupportedError
-from atorch.intra_layer import clip_grad_norm_, drop, gather, overlap, sync_gradients  # noqa: F401 - AxoNN's names
+from atorch.intra_layer import clip_grad_norm_, drop, gather, overlap  # noqa: F401 - AxoNN's names
 from atorch.intra_layer.grads import _group_of, per_rank_batch, sample_ranks
 from atorch.intra_layer.overlap import optimize_communication  # noqa: F401 - AxoNN code may take it from here
 
@@ -42,6 +45,39 @@ from atorch.intra_layer.overlap import optimize_communication  # noqa: F401 - Ax
 is_initialized = False
 comm_handle: "CommHandle | None" = None
 computation_dtype: torch.dtype | None = None
+
+_no_sync = False  # inside no_grad_sync()
+
+
+@contextlib.contextmanager
+def no_grad_sync():
+    """AxoNN's ``no_grad_sync()``: :func:`sync_gradients` does nothing inside it, so micro batches
+    accumulate local gradients and one call after the block reduces them.
+
+    Example::
+
+        for micro in micro_batches[:-1]:
+            with ax.no_grad_sync():
+                loss_fn(model(micro)).backward()
+                ax.sync_gradients(model)           # skipped
+        loss_fn(model(micro_batches[-1])).backward()
+        ax.sync_gradients(model)                   # reduces the accumulated gradients once
+    """
+    global _no_sync
+    before, _no_sync = _no_sync, True
+    try:
+        yield
+    finally:
+        _no_sync = before
+
+
+def sync_gradients(model: torch.nn.Module, gradient_attr_name: str = "grad", mean: bool = False,
+                   vectorize: bool = False, expert_mode: bool = False, **kwargs) -> None:
+    """AxoNN's ``sync_gradients``: :func:`atorch.intra_layer.sync_gradients`, skipped inside
+    :func:`no_grad_sync`."""
+    if not _no_sync:
+        intra_layer.sync_gradients(model, gradient_attr_name, mean, vectorize, expert_mode, **kwargs)
+
 
 # AxoNN's dynamic loss scaling (the same constants).
 _INITIAL_SCALE, _MIN_SCALE, _MAX_SCALE, _SCALING_WINDOW = 2.0**16, 2.0**10, 2.0**24, 200

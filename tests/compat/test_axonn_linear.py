@@ -105,8 +105,13 @@ def _model_case(grid) -> dict:
     x_all, target_all = x_all[:rows], target_all[:rows]  # 2 rows a rank: equal shares, so the mean of means is the mean
     nn.functional.mse_loss(serial(x_all), target_all).backward()
     nn.functional.mse_loss(model(x_all[2 * rank:2 * rank + 2]), target_all[2 * rank:2 * rank + 2]).backward()
+    local = [p.grad.clone() for p in model.parameters()]
+    with ax.no_grad_sync():  # AxoNN's: sync_gradients does nothing inside
+        ax.sync_gradients(model, mean=True)
+    kept = max((p.grad - g).abs().max().item() for p, g in zip(model.parameters(), local))
     ax.sync_gradients(model, mean=True)
-    diffs = {}
+    moved = max((p.grad - g).abs().max().item() for p, g in zip(model.parameters(), local))
+    diffs = {"no_grad_sync kept the local gradients": kept, "sync moved": moved}
     for (name, param), ref in zip(model.named_parameters(), serial.parameters()):
         module = model.get_submodule(name.rsplit(".", 1)[0])
         sharded = isinstance(module, intra_layer.Linear) and name.endswith("weight")
@@ -151,7 +156,10 @@ def _assert_matches(results: list) -> None:
                 assert "batch_per_rank=True" in value and "atorch.compat.axonn.Linear" in value
             elif isinstance(value, dict):
                 for what, diff in value.items():
-                    assert diff <= 1e-5, (rank, key, what, diff)
+                    if what == "sync moved":  # control: the sync after no_grad_sync changed the gradients
+                        assert diff > 1e-4, (rank, key, diff)
+                    else:
+                        assert diff <= 1e-5, (rank, key, what, diff)
             else:
                 assert value <= 1e-5, (rank, key, value)
 
