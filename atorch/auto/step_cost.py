@@ -304,8 +304,11 @@ class StepCost:
             if self.sync_in_hooks:
                 wrapped = sum(self.sync_calls.values()) * self.profile.wrapped_call_seconds
         overhead = (self.forward_ops * op_passes * op_seconds + hooks) * self.op_share * self.accumulation + wrapped
-        overhead += self.host_overhead()
-        compute = max(compute, overhead) if self.device_type == "cuda" else compute + overhead
+        # the methods' calibrated host overheads: fit to whole steps (a pipeline's bubble included),
+        # so on a CPU they are added to the step after the bubble, not scaled by it
+        host = self.host_overhead()
+        on_device = self.device_type == "cuda"
+        compute = max(compute, overhead + host) if on_device else compute + overhead
         # what a collective can hide behind: each pass's compute, shared by the collectives in it
         hides = 0.0 if self.profile is None else self.profile.overlap
         windows = {"forward": compute / self.passes, "backward": compute * (self.passes - 1) / self.passes}
@@ -326,7 +329,8 @@ class StepCost:
             if self.size(c.dim) > 1:
                 bandwidth, latency = self._link((c.dim,), c.kind)
                 comm += c.elements * element * c.factor / bandwidth + c.messages * self.accumulation * latency
-        return compute * (1 + self.bubble) + comm + self.stepped * self.optim_seconds_per_byte
+        return compute * (1 + self.bubble) + comm + self.stepped * self.optim_seconds_per_byte + (0.0 if on_device
+                                                                                                 else host)
 
     def data_sync_collectives(self) -> list[tuple[str, float, float]]:
         """The data-parallel sync per step as ``(kind, payload bytes, collectives)``: the tensors

@@ -73,6 +73,14 @@ def test_the_estimate_charges_units_times_the_calibrated_seconds():
     step.profile = dataclasses.replace(h100, method_seconds={"step": 0.01, "parallel_mode": 0.002, "zero1": 0.003,
                                                              "fsdp": 1.0})
     assert step.seconds() - without == pytest.approx(0.015)  # fsdp is not in it
+    # fit to whole steps, the overheads are not scaled by a pipeline's bubble (idle compute)
+    pipe = cost.build_cost(_llama(), Strategy([("parallel_mode", {"dims": [("pipeline", 2)]}),
+                                               ("pipeline_parallel", {"num_microbatches": 2})]),
+                           {"pipeline": 2}, 2.0, 0, 1e6, 32, "cpu")
+    pipe.profile = h100
+    without = pipe.seconds()
+    pipe.profile = dataclasses.replace(h100, method_seconds={"step": 0.01, "pipeline_parallel": 0.002})
+    assert pipe.bubble > 0 and pipe.seconds() - without == pytest.approx(0.01 + 2 * 0.002)
 
 
 def test_a_negative_method_overhead_is_refused():
