@@ -13,12 +13,16 @@ def _leave_state_behind() -> dict:
     import torch.distributed as dist
 
     from atorch import parallel_state
+    from atorch.auto import registry
     from atorch.auto.search import agree
 
     seen = {"pid": os.getpid(), "timeout": agree._wanted_timeout, "topology": parallel_state._CURRENT,
-            "env": os.environ.get("ATORCH_POOL_PROBE"), "rank": dist.get_rank()}
+            "env": os.environ.get("ATORCH_POOL_PROBE"), "rank": dist.get_rank(),
+            "registered": "_left_behind" in registry.method_names()}
     agree.set_timeout(2.0)
     parallel_state._CURRENT = "left behind"  # as auto_accelerate's topology stays after a run
+    config_cls = registry.get_method("parallel_mode").config_cls
+    registry.register_method(registry.MethodSpec("_left_behind", config_cls, {}, "a test's method"))
     return seen
 
 
@@ -39,7 +43,7 @@ def test_a_kept_rank_starts_each_run_as_a_fresh_one(monkeypatch):
     assert [r["pid"] for r in second] == [r["pid"] for r in first]  # the same processes
     for rank, seen in enumerate(second):
         assert seen["rank"] == rank and seen["env"] == "seen"
-        assert seen["timeout"] is None and seen["topology"] is None, seen
+        assert seen["timeout"] is None and seen["topology"] is None and not seen["registered"], seen
     with pytest.raises(AssertionError, match="(?s)rank 1:.*ValueError: rank 1 was told to fail"):
         run_distributed(_fail_on_rank_1, 2)
     third = run_distributed(_leave_state_behind, 2)

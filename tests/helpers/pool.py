@@ -10,7 +10,8 @@ What a fresh process would give, a kept one is made to give before each run: the
 environment and working folder, torch's default seed, dtype, grad and deterministic modes, the
 atorch logger's level and propagation. After each run, every module-level name of atorch that the
 run reassigned (the topology auto_accelerate set, a search's agreement group and timeout, a
-patched function) is put back; every module of atorch is imported when a rank starts, so what is
+patched function) is put back, and so are the contents of its dicts, lists and sets (a method a
+test registered, a cache); every module of atorch is imported when a rank starts, so what is
 put back is what a fresh import left. A failure or a hang retires the pool (a peer may still wait
 in a collective), and so do ``MAX_RUNS`` runs; the next run starts fresh ranks.
 ``ATORCH_TEST_FRESH_RANKS=1`` gives every run new processes (to rule the pool out when a test
@@ -34,21 +35,47 @@ _pools: dict[int, "Pool"] = {}
 
 
 def _module_names() -> dict:
-    """Every module-level name of atorch and what it holds."""
-    return {(module, attr): value for name, module in list(sys.modules.items())
-            if module is not None and (name == "atorch" or name.startswith("atorch."))
-            for attr, value in list(vars(module).items()) if not attr.startswith("__")}
+    """Every module-level name of atorch, what it holds, and a copy of the dicts, lists and sets it
+    holds (a registry a test adds a method to, a cache)."""
+    names = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "atorch" or name.startswith("atorch.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if not attr.startswith("__"):
+                names[(module, attr)] = (value, _copy(value))
+    return names
+
+
+def _copy(value):
+    if type(value) in (dict, list, set):  # exactly these: subclasses may not copy plainly
+        return type(value)(value)
+    return None
+
+
+def _same(value, copy) -> bool:
+    """The container holds the same objects as its copy (by identity: tensors do not compare)."""
+    if isinstance(value, dict):
+        return len(value) == len(copy) and all(k in value and value[k] is v for k, v in copy.items())
+    if isinstance(value, list):
+        return len(value) == len(copy) and all(a is b for a, b in zip(value, copy))
+    return {id(v) for v in value} == {id(v) for v in copy}
 
 
 def _restore(before: dict) -> list:
     """Put back every atorch module-level name a run reassigned or deleted (the topology it set,
-    a timeout, a patched function): each holds what a fresh import left there. Names a run added
-    (lazy imports, caches) stay. The names put back, for the log."""
+    a timeout, a patched function) and the contents of every dict, list and set it changed (a
+    method it registered, what it cached): each as a fresh import left it. Names a run added (lazy
+    imports) stay. The names put back, for the log."""
     restored = []
-    for (module, attr), value in before.items():
+    for (module, attr), (value, copy) in before.items():
         if vars(module).get(attr, _MISSING) is not value:
             setattr(module, attr, value)
             restored.append(f"{module.__name__}.{attr}")
+        if copy is not None and not _same(value, copy):
+            value.clear()
+            value.update(copy) if not isinstance(value, list) else value.extend(copy)
+            restored.append(f"{module.__name__}.{attr}[...]")
     return restored
 
 
