@@ -77,7 +77,7 @@ def _plain_objects(optim, lr_scheduler, dataloader, extra) -> dict:
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module, optim: Any = None, lr_scheduler: Any = None,
-         dataloader: Any = None, extra: Any = None) -> Path:
+         dataloader: Any = None, extra: Any = None, timeout: float | None = None) -> Path:
     """Save a training job's state to the directory ``path``; call it on every rank.
 
     ``model`` and ``optim`` are what ``auto_accelerate`` returned, under any strategy (DDP,
@@ -91,14 +91,21 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optim: Any = None, lr_
     once complete, so a crash mid-save leaves the previous checkpoint at ``path``. Every file's
     SHA-256 goes into the manifest. Beside ``path``, a save removes only the ``.tmp-*``/``.old-*``
     folders an earlier save marked as its own. A failure on any rank raises
-    :class:`atorch.errors.CheckpointError` on every rank.
+    :class:`atorch.errors.CheckpointError` on every rank. ``timeout``: seconds the save's own
+    collectives wait for a rank (default: the process group's, 30 minutes unless set); a rank
+    that stops answering (a frozen filesystem, a stopped process) then ends the others' save with
+    a CheckpointError naming the timeout, shortly after it (tested at 3 s: within 3 s more).
 
     Example::
 
         atorch.checkpoint.save("ckpt/latest", result.model, result.optim, result.lr_scheduler,
                                result.dataloader, extra={"step": step})
     """
-    path = Path(path).absolute()
+    with ranks.deadline(timeout):
+        return _save(Path(path).absolute(), model, optim, lr_scheduler, dataloader, extra)
+
+
+def _save(path: Path, model, optim, lr_scheduler, dataloader, extra) -> Path:
     start = time.perf_counter()
     logger.info("checkpoint: saving %s ...", path)
     # Agreed before the first collective: an object refused on one rank only (an extra that differs
@@ -120,7 +127,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optim: Any = None, lr_
         ranks.on_rank0(lambda: io.prepare(path, tmp))
         try:
             with _single_process_is_fine():
-                dcp.save(content, storage_writer=FileSystemWriter(tmp), no_dist=not ranks.distributed())
+                dcp.save(content, storage_writer=FileSystemWriter(tmp), no_dist=not ranks.distributed(),
+                         process_group=ranks.group())
         except CheckpointException as error:
             raise _failed(f"saving {path}", error, f"{path} is as it was") from error
         # dcp.save returns once every rank's files and the metadata are written.
@@ -139,7 +147,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optim: Any = None, lr_
 
 
 def load(path: str | os.PathLike, model: torch.nn.Module, optim: Any = None, lr_scheduler: Any = None,
-         dataloader: Any = None, allow_unverified: bool = False) -> Any:
+         dataloader: Any = None, allow_unverified: bool = False, timeout: float | None = None) -> Any:
     """Load a checkpoint written by :func:`save` into this job (call it on every rank); return its ``extra``.
 
     The model (and optimizer, lr scheduler, dataloader when given) may be held under another
@@ -155,7 +163,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optim: Any = None, lr_
 
     A checkpoint whose files carry no checksum (saved by atorch before checksums, manifest
     version 1) is refused unless ``allow_unverified=True``, which reads it with sizes checked
-    only (logged at WARNING); save it again to get checksums.
+    only (logged at WARNING); save it again to get checksums. ``timeout``: as for :func:`save`.
 
     Example::
 
@@ -164,12 +172,13 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optim: Any = None, lr_
                                           result.lr_scheduler, result.dataloader)["step"]
     """
     path = Path(path).absolute()
-    try:
-        return _load(path, model, optim, lr_scheduler, dataloader, allow_unverified)
-    except RuntimeError as error:
-        if isinstance(error, CheckpointError):
-            raise
-        raise ranks.peer_failure(f"loading {path}", error, "the model and optimizer may be partly loaded") from error
+    with ranks.deadline(timeout):
+        try:
+            return _load(path, model, optim, lr_scheduler, dataloader, allow_unverified)
+        except RuntimeError as error:
+            if isinstance(error, CheckpointError):
+                raise
+            raise ranks.peer_failure(f"loading {path}", error, "the model and optimizer may be partly loaded") from error
 
 
 def _load(path: Path, model, optim, lr_scheduler, dataloader, allow_unverified: bool) -> Any:
@@ -186,7 +195,8 @@ def _load(path: Path, model, optim, lr_scheduler, dataloader, allow_unverified: 
     try:
         with _single_process_is_fine():
             dcp.load(plan.content, storage_reader=loading.CheckedReader(directory, plan.metadata),
-                     planner=runtime.PlainDataLoadPlanner(), no_dist=not ranks.distributed())
+                     planner=runtime.PlainDataLoadPlanner(), no_dist=not ranks.distributed(),
+                     process_group=ranks.group())
     except CheckpointException as error:
         raise _failed(f"reading {directory}", error, "nothing was changed") from error
     objects = ranks.agree(lambda: loading.unpack(plan))

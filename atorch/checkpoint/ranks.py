@@ -3,8 +3,14 @@
 A rank that fails alone must not leave the others inside a collective it will never join, nor let
 them go on changing their model: :func:`agree` runs a step on every rank, shares whether it
 failed, and then every rank returns, or every rank raises the same :class:`CheckpointError`.
-Without a process group these are plain calls.
+Without a process group these are plain calls. With a ``timeout``, a save's or load's own
+collectives (these agreements and torch.distributed.checkpoint's planning and commit) run on a
+gloo group of their own with that timeout, so a rank that stops answering (a frozen filesystem, a
+stopped process) ends the others' wait with a CheckpointError instead of torch's 30 minutes.
 """
+
+import datetime
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
@@ -23,12 +29,47 @@ def world_size() -> int:
     return dist.get_world_size() if distributed() else 1
 
 
+# (the default group it was made under, the checkpoint's group, its timeout in seconds)
+_timed: tuple = (None, None, None)
+_timeout: float | None = None
+
+
+@contextmanager
+def deadline(seconds: float | None):
+    """Within it, the checkpoint's collectives wait at most ``seconds`` for a rank (None: the
+    default group's timeout). Entered on every rank in step: the first use of a timeout builds its
+    group (a collective)."""
+    global _timeout
+    if seconds is not None and seconds <= 0:
+        raise ValueError(f"checkpoint timeout={seconds!r}: give seconds > 0, or None for the process group's")
+    before, _timeout = _timeout, seconds
+    try:
+        group()
+        yield
+    finally:
+        _timeout = before
+
+
+def group():
+    """The process group of the checkpoint's collectives: None (the default group) without a
+    timeout, else a gloo group with it, made once per default group and timeout."""
+    global _timed
+    if _timeout is None or not distributed():
+        return None
+    world, timed, seconds = _timed
+    if world is not dist.GroupMember.WORLD or seconds != _timeout:
+        timed = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=_timeout),
+                               group_desc="atorch_checkpoint")
+        _timed = (dist.GroupMember.WORLD, timed, _timeout)
+    return timed
+
+
 def gather(value) -> list:
     """Every rank's ``value``, by rank (plain data; collective)."""
     if not distributed():
         return [value]
     values = [None] * world_size()
-    dist.all_gather_object(values, value)
+    dist.all_gather_object(values, value, group=group())
     return values
 
 
@@ -37,7 +78,7 @@ def from_rank0(value):
     if not distributed():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group())
     return box[0]
 
 
@@ -45,7 +86,9 @@ def peer_failure(what: str, error: RuntimeError, outcome: str) -> CheckpointErro
     """A collective that failed under a save or load (gloo's "Connection closed by peer", ...) as
     atorch's error: in a job, another rank stopped (killed, out of memory, a failed filesystem)."""
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
-    cause = " (another rank stopped: killed, out of memory, or its filesystem failed)" if distributed() else ""
+    waited = f" within the checkpoint timeout of {_timeout:g}s" if _timeout is not None else ""
+    cause = (f" (another rank stopped or did not answer{waited}: killed, out of memory, stopped, or its "
+             "filesystem failed or froze)") if distributed() else ""
     return CheckpointError(f"checkpoint: {what} failed: {type(error).__name__}: {first}{cause}; {outcome}")
 
 

@@ -45,20 +45,21 @@ import torch, torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 import atorch.checkpoint as ckpt
 from atorch.errors import CheckpointError
-directory = sys.argv[1]
+directory, how = sys.argv[1], sys.argv[2]
+timeout = float(sys.argv[3]) if len(sys.argv) > 3 else None
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = torch.nn.Linear(64, 64)
-ckpt.save(directory + "/ck", model, extra={"step": 1})
+ckpt.save(directory + "/ck", model, extra={"step": 1}, timeout=timeout)
 if dist.get_rank() == 1:
     original = FileSystemWriter.write_data
-    def write_then_die(self, plan, planner):
+    def write_then_stop(self, plan, planner):
         original(self, plan, planner).wait()
-        os.kill(os.getpid(), signal.SIGKILL)
-    FileSystemWriter.write_data = write_then_die
+        os.kill(os.getpid(), signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    FileSystemWriter.write_data = write_then_stop
 start = time.perf_counter()
 try:
-    ckpt.save(directory + "/ck", model, extra={"step": 2})
+    ckpt.save(directory + "/ck", model, extra={"step": 2}, timeout=timeout)
     outcome = "saved"
 except Exception as error:
     outcome = f"{type(error).__name__}: {error}"
@@ -72,23 +73,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_rank_killed_mid_save_is_a_checkpoint_error_on_the_other(tmp_path):
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_rank_killed_or_stopped_mid_save_is_a_checkpoint_error_on_the_other(tmp_path, how):
+    """Killed: gloo sees the closed connection at once. Stopped (SIGSTOP; a frozen filesystem
+    looks the same): only the save's ``timeout`` (3 s here) ends the wait, within 3 s more;
+    without one the other rank waits torch's 30 minutes."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(tmp_path)], cwd=ROOT, env={**env, "RANK": str(rank)},
+    args = [str(tmp_path), how] + (["3"] if how == "stopped" else [])
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK, *args], cwd=ROOT, env={**env, "RANK": str(rank)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
     try:
         out, err = procs[0].communicate(timeout=90)
-        procs[1].wait(timeout=30)
+        if how == "killed":
+            procs[1].wait(timeout=30)
     finally:
         for proc in procs:
             proc.kill()
-    assert procs[1].returncode == -signal.SIGKILL
+            proc.wait()
+    if how == "killed":
+        assert procs[1].returncode == -signal.SIGKILL
     lines = [line for line in out.splitlines() if line.startswith("{")]
     assert lines, err[-3000:]
     result = json.loads(lines[-1])
     # Before: gloo's raw RuntimeError ("Connection closed by peer ...") reached the job.
     assert result["outcome"].startswith("CheckpointError: checkpoint: saving"), result
     assert "another rank stopped" in result["outcome"], result
+    if how == "stopped":
+        assert "within the checkpoint timeout of 3s" in result["outcome"], result
+        assert 2.5 < result["seconds"] < 6, result
     assert result["seconds"] < 30, result
     assert ckpt.load(tmp_path / "ck", torch.nn.Linear(64, 64)) == {"step": 1}
