@@ -112,20 +112,22 @@ class Strategy:
 
     def get_parallel_mode(self) -> tuple[bool, tuple | None]:
         """ATorch's ``get_parallel_mode()``: ``(True, (dims, rank_order))`` with parallel_mode's
-        ``[(name, size), ...]`` in atorch's dim names (ATorch's "model" is "tensor", "pipe" is
-        "pipeline"), ``(True, None)`` for a parallel_mode with no config, ``(False, None)`` without one.
+        ``[(name, size), ...]`` in ATorch's dim names ("tensor" is ATorch's "model", "pipeline" its
+        "pipe": ATorch code that looks for "model" must find it), ``(True, None)`` for a
+        parallel_mode with no config, ``(False, None)`` without one.
 
         Example::
 
-            Strategy([("parallel_mode", ([("data", 2)], None))]).get_parallel_mode()
-            # (True, ([('data', 2)], None))
+            Strategy([("parallel_mode", ([("tensor", 2), ("data", 2)], None))]).get_parallel_mode()
+            # (True, ([('model', 2), ('data', 2)], None))
         """
         config = self.get("parallel_mode")
         if config is None:
             return False, None
         if config.dims is None and config.rank_order is None:
             return True, None
-        dims = None if config.dims is None else [tuple(dim) for dim in config.dims]
+        atorch_names = {"tensor": "model", "pipeline": "pipe"}
+        dims = None if config.dims is None else [(atorch_names.get(name, name), size) for name, size in config.dims]
         return True, (dims, None if config.rank_order is None else list(config.rank_order))
 
     def get(self, name: str) -> MethodConfig | None:

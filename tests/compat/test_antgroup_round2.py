@@ -238,7 +238,7 @@ def test_atorch_strategy_methods_on_atorchs_own_strategy():
     assert loaded.opt_names() == loaded.opt_names == ["parallel_mode", "amp_native"]
     assert type(loaded.opt_names()) is list and "amp_native" in loaded.opt_names
     found, p_mode = loaded.get_parallel_mode()  # ATorch's adjust_strategy reads it this way
-    assert found and p_mode == ([("tensor", 2), ("data", 4)], [7, 6, 5, 4, 3, 2, 1, 0])  # atorch's dim names
+    assert found and p_mode == ([("model", 2), ("data", 4)], [7, 6, 5, 4, 3, 2, 1, 0])  # ATorch's dim names
     assert dict(p_mode[0])["data"] == 4 and Strategy([("parallel_mode", p_mode)]) == Strategy([items[0]])
     assert Strategy(["parallel_mode"]).get_parallel_mode() == (True, None)  # ATorch: ("parallel_mode", None, _)
     assert Strategy(["amp_native"]).get_parallel_mode() == (False, None)
