@@ -19,8 +19,8 @@ TWO_RANK_RUNS = [
     ("interleaved", 2, ["1", "2", "4"]),
     ("zbv", 2, None),
 ]
-# The torch class each run must step (every schedule gives the serial losses, so only this tells
-# them apart: an interleaved run built as ScheduleLoopedBFS passed every other check).
+# The torch class each run must step: every schedule here gives the serial losses, so the losses
+# alone cannot tell which one ran (docs/dev/negative_controls.md).
 SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "zero_bubble": "ScheduleInterleavedZeroBubble",
                     "interleaved": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble"}
 
