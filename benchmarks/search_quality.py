@@ -40,21 +40,20 @@ best throughput (goal >= 0.95), search wall time / exhaustive wall time (goal <=
 whether the pick fits (its measured peak against the budget).
 
 The exhaustive run dry-runs each distinct candidate once (those that planning makes the same on
-this model are counted in "candidates" but run once): 64 of 112 in the first four scenarios, 12
-and 20 in the last two, whose excluded methods keep them small. There the search's own dry runs
-(up to ``max_dryruns``=8) are a large share of the space; the twin rules applied again after
-each measured fit, and shared probe forwards, bring them to 0.17-0.20 (2026-11-24). Since every
-dry run got twice as fast (the collector frozen, 2026-11-25), the search's fixed cost (probes, the
-optimizer's step timed) weighs more there: tensor-best read 0.23-0.31 across runs; with the probes
-shared out over the ranks and one agreement per estimate, 0.213-0.240 (docs/benchmarks.md).
+this model are counted in "candidates" but run once): on 2026-11-26, with gradient accumulation,
+selective checkpointing and virtual stages in the space, 204 of 408 on small, 48 of 96 on
+tensor-best, 60 of 120 on pipeline-best, 132 of 396 on gpt2-tied. The search's time is its fixed
+cost (probes, the optimizer's step timed) and up to ``max_dryruns``=8 dry runs, fewer where the
+early stop says nothing left can win: a small space (mlp-heavy's 16) keeps the ratio high, since
+two dry runs are the least the early stop needs.
 
 Wall time on 2 shared cores with 4 ranks: ``--tiny --repeats 2 --steps 2`` takes about 8 minutes
 (exhaustive 34-92 s and search 8-19 s per scenario, plus start-up and timing); its figures only
 show that it runs (its estimates were 0.3-0.5 of the measured peaks while the dry runs counted
-the dataset a batch views, 2 MiB against a toy model's few hundred KiB; not re-measured since). At full size (2026-11-25) the exhaustive runs
-take 1-1.5 minutes on each of the three 4-block Llama scenarios, 5 on deep-narrow and under one on
-tensor-best and pipeline-best, and the whole benchmark about 16 minutes; it is best run a
-scenario at a time (``--scenarios``, each with its own ``--out``). Before the search released each dry run's copy (2026-11-24), the
+the dataset a batch views, 2 MiB against a toy model's few hundred KiB; not re-measured since). At full size (2026-11-26) the exhaustive runs
+take 7 minutes on small and gpt2-tied, 2 on tensor-best and pipeline-best (the 4-block Llama
+scenarios, bert and deep-narrow longer), and a scenario with its 5 searches and side-by-side
+timing 3-10 minutes; it is best run a scenario at a time (``--scenarios``, each with its own ``--out``). Before the search released each dry run's copy (2026-11-24), the
 exhaustive run of 64 candidates grew to 6 GB per rank and was killed for memory.
 """
 
