@@ -21,10 +21,12 @@ def main(argv=None) -> int:
     plan.add_parser(sub)
     calibrate.add_parser(sub)
     args = parser.parse_args(argv)
+    from atorch.cli.common import collector_off_for_startup
     from atorch.errors import AtorchConfigError
 
     try:
-        return args.func(args)
+        with collector_off_for_startup():
+            return args.func(args)
     except (AtorchConfigError, ValueError, OSError) as error:
         print(f"atorch {args.command}: {error}", file=sys.stderr)
         return 2

@@ -4,7 +4,7 @@ behind it (bytes per parameter, activation dtype) are printed above the table.""
 
 import sys
 
-from atorch.cli.common import add_model_flags, build_model
+from atorch.cli.common import add_model_flags, build_model, startup_done
 
 GIB = 2**30
 
@@ -57,6 +57,7 @@ def cmd_plan(args) -> int:
         raise ValueError(f"--batch-size {args.batch_size} does not divide over {args.world_size} ranks")
     _progress("atorch plan: building the model on the meta device ...")
     model = build_model(args, assumptions.dtype if args.accounting == "atorch" else None)
+    startup_done()
     params = sum(p.numel() for p in model.parameters())
     if args.batch_size is None:
         rows = _model_state_rows(model, args, assumptions)
@@ -96,11 +97,9 @@ def _candidate_rows(model, args, assumptions, memory) -> list:
     import torch
 
     from atorch.auto.environment import DeviceContext
-    from atorch.auto.model_states import model_states
     from atorch.auto.search import cost
-    from atorch.auto.search.engine import estimate_candidate
     from atorch.auto.search.space import candidate_space
-    from atorch.utils.log import quiet
+    from atorch.utils.memo import kept as memo_kept
 
     def device_ctx(device: str):
         capability = (9, 0) if device == "cuda" else None
@@ -112,30 +111,40 @@ def _candidate_rows(model, args, assumptions, memory) -> list:
     # Module rewrites run as on the CPU; autocast does nothing on meta tensors, so amp_native's
     # activation term counts its activations in autocast's dtype (atorch/methods/amp_native.py).
     meta_ctx = device_ctx("cpu")
+    # one forward per distinct probe: candidates that differ only in sharding share theirs (72
+    # candidates of a 7B plan run 18 probes instead of 120)
+    memo: dict = {}
 
     def probe(strategy, flops):
-        return cost.activation_bytes(model, strategy, batch, "unpack_dict", None, meta_ctx, flops)
+        return cost.activation_bytes(model, strategy, batch, "unpack_dict", None, meta_ctx, flops, memo=memo)
 
     candidates = list(candidate_space(device_ctx(args.device), excluded=args.exclude))
-    rows = []
-    for index, strategy in enumerate(candidates, 1):
-        _progress(f"[{index}/{len(candidates)}] {' + '.join(strategy.opt_names) or '(plain)'}")
-        with quiet():
-            est, reason = estimate_candidate(model, strategy, args.world_size, assumptions.state_factor, probe,
-                                              args.device)
-        if est is None:
-            rows.append((strategy.opt_names, None, reason or "no estimate: a method cannot run on the meta device"))
-            continue
-        terms = {"params": est.params, "grads": est.grads, "optim_state": est.optim_state, "gathered": est.gathered,
-                 "activations": est.activations, "step_temp": est.step_temp, "backward_grads": est.backward_grads,
-                 "buckets": est.buckets, "reduce_temp": est.reduce_temp}
-        if assumptions.accounting == "deepspeed":
-            sharding = next((s for s in ("zero1", "zero2", "fsdp") if s in strategy.opt_names), None)
-            terms.update(model_states(model, sharding, args.world_size, assumptions))
-            if sharding is not None:  # DeepSpeed's ZeRO engine replaces DDP and its buckets
-                terms["buckets"] = 0
-        rows.append((strategy.opt_names, terms, None))
+    with memo_kept():  # the model's structure is read once for every candidate (atorch/utils/memo.py)
+        rows = []
+        for index, strategy in enumerate(candidates, 1):
+            _progress(f"[{index}/{len(candidates)}] {' + '.join(strategy.opt_names) or '(plain)'}")
+            rows.append(_candidate_row(model, strategy, args, assumptions, probe))
     return rows
+
+
+def _candidate_row(model, strategy, args, assumptions, probe) -> tuple:
+    from atorch.auto.model_states import model_states
+    from atorch.auto.search.engine import estimate_candidate
+    from atorch.utils.log import quiet
+
+    with quiet():
+        est, reason = estimate_candidate(model, strategy, args.world_size, assumptions.state_factor, probe, args.device)
+    if est is None:
+        return strategy.opt_names, None, reason or "no estimate: a method cannot run on the meta device"
+    terms = {"params": est.params, "grads": est.grads, "optim_state": est.optim_state, "gathered": est.gathered,
+             "activations": est.activations, "step_temp": est.step_temp, "backward_grads": est.backward_grads,
+             "buckets": est.buckets, "reduce_temp": est.reduce_temp}
+    if assumptions.accounting == "deepspeed":
+        sharding = next((s for s in ("zero1", "zero2", "fsdp") if s in strategy.opt_names), None)
+        terms.update(model_states(model, sharding, args.world_size, assumptions))
+        if sharding is not None:  # DeepSpeed's ZeRO engine replaces DDP and its buckets
+            terms["buckets"] = 0
+    return strategy.opt_names, terms, None
 
 
 def _peak(terms: dict) -> int:

@@ -19,7 +19,7 @@ from contextlib import nullcontext
 
 import torch
 
-from atorch.cli.common import build_model
+from atorch.cli.common import build_model, startup_done
 
 GIB = 2**30
 def _progress(message: str) -> None:
@@ -227,6 +227,7 @@ def cmd_plan_search(args) -> int:
     assumptions = Assumptions.make("atorch", args.dtype, args.optimizer)
     _progress("atorch plan --search: building the model on the meta device ...")
     model = build_model(args, assumptions.dtype)
+    startup_done()
     params = sum(p.numel() for p in model.parameters())
     result = plan_search(model, args.world_size, args.batch_size, args.seq_len, profile, assumptions.state_factor,
                          args.exclude, memory)
