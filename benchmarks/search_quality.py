@@ -42,7 +42,7 @@ whether the pick fits (its measured peak against the budget).
 The exhaustive run dry-runs each distinct candidate once (those that planning makes the same on
 this model are counted in "candidates" but run once): on 2026-11-26, with gradient accumulation,
 selective checkpointing and virtual stages in the space, 204 of 408 on small, 48 of 96 on
-tensor-best, 60 of 120 on pipeline-best, 132 of 396 on gpt2-tied. The search's time is its fixed
+tensor-best, 60 of 120 on pipeline-best, 132 of 396 on gpt2-tied, 198 of 396 on bert. The search's time is its fixed
 cost (probes, the optimizer's step timed) and up to ``max_dryruns``=8 dry runs, fewer where the
 early stop says nothing left can win: a small space (mlp-heavy's 16) keeps the ratio high, since
 two dry runs are the least the early stop needs.
@@ -51,9 +51,9 @@ Wall time on 2 shared cores with 4 ranks: ``--tiny --repeats 2 --steps 2`` takes
 (exhaustive 34-92 s and search 8-19 s per scenario, plus start-up and timing); its figures only
 show that it runs (its estimates were 0.3-0.5 of the measured peaks while the dry runs counted
 the dataset a batch views, 2 MiB against a toy model's few hundred KiB; not re-measured since). At full size (2026-11-26) the exhaustive runs
-take 7 minutes on small and gpt2-tied, 2 on tensor-best and pipeline-best (the 4-block Llama
-scenarios, bert and deep-narrow longer), and a scenario with its 5 searches and side-by-side
-timing 3-10 minutes; it is best run a scenario at a time (``--scenarios``, each with its own ``--out``). Before the search released each dry run's copy (2026-11-24), the
+take 7 minutes on small and gpt2-tied, 10 on bert, 2 on tensor-best and pipeline-best (memory-bound,
+boundary and deep-narrow were not rerun with the larger space), and a scenario with its 5 searches
+and side-by-side timing 3-13 minutes; it is best run a scenario at a time (``--scenarios``, each with its own ``--out``). Before the search released each dry run's copy (2026-11-24), the
 exhaustive run of 64 candidates grew to 6 GB per rank and was killed for memory.
 """
 
