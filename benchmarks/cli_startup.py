@@ -2,6 +2,7 @@
 
     python -m benchmarks.cli_startup                 # median of 5, a table on stdout
     python -m benchmarks.cli_startup --repeat 3 --only help validate
+    python -m benchmarks.cli_startup --out benchmarks/results/cli_startup.md   # the table docs quote
 
 Each command runs as a fresh process (``python -m atorch.cli.main ...``, what the ``atorch``
 script runs), so every figure includes Python's and the imports' start-up. CPU seconds are the
@@ -11,8 +12,10 @@ here): timings on a shared 2-core machine move with the load.
 """
 
 import argparse
+import datetime
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -75,6 +78,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--only", nargs="*", help="names of commands to time (default: all)")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--out", help="also write the results page (markdown) to this file")
     parser.add_argument("--root", type=Path, default=ROOT,
                         help="the checkout to run the commands in (another commit's `git archive`, to compare)")
     args = parser.parse_args(argv)
@@ -86,15 +90,54 @@ def main(argv=None) -> int:
             if name == "calibrate (cached)" and args.only and "calibrate --refresh" not in args.only:
                 measure(commands(Path(tmp), args.root)["calibrate --refresh"], args.root)  # a calibration to read
             runs = [measure(command, args.root) for _ in range(args.repeat)]
+            shown = " ".join(["atorch"] + command[3:]) if command[1:3] == ["-m", "atorch.cli.main"] \
+                else " ".join(["python"] + command[1:])
+            shown = shown.replace(str(Path(tmp) / "report.json"), "REPORT.json").replace(
+                str(Path(tmp) / "calibration"), "DIR")
             rows[name] = {"wall_s": statistics.median(r[0] for r in runs),
-                          "cpu_s": statistics.median(r[1] for r in runs),
-                          "command": " ".join(["atorch"] + command[3:]) if command[1:3] == ["-m", "atorch.cli.main"]
-                          else " ".join(["python"] + command[1:])}
-            print(f"| {name} | {rows[name]['wall_s']:.2f} | {rows[name]['cpu_s']:.2f} | `{rows[name]['command']}` |",
-                  flush=True)
+                          "cpu_s": statistics.median(r[1] for r in runs), "command": shown}
+            print(row(rows[name]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    if args.out:
+        Path(args.out).write_text(results_page(rows, args.repeat, argv if argv is not None else sys.argv[1:]))
     return 0
+
+
+def row(figures: dict) -> str:
+    """One table row, as docs/cli.md and docs/benchmarks.md quote it (tests/test_docs.py)."""
+    return f"| `{figures['command']}` | {figures['wall_s']:.2f} | {figures['cpu_s']:.2f} |"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as file:
+            return next(line.split(":", 1)[1].strip() for line in file if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.system()
+
+
+def results_page(rows: dict, repeat: int, argv: list[str]) -> str:
+    """The results file: the command that wrote it, its date and machine, then the table."""
+    import torch  # only for its version, after the timed runs
+
+    command = " ".join(["python -m benchmarks.cli_startup", *argv])
+    machine = f"a {os.cpu_count()}-core {platform.machine()} machine ({_cpu_name()}), " + (
+        "no GPU" if not torch.cuda.is_available() else torch.cuda.get_device_name())
+    today = datetime.date.today().isoformat()
+    return "\n".join([
+        f"<!-- {command} | {today} | torch {torch.__version__} -->",
+        "# `atorch` command start-up",
+        "",
+        f"{today}, {machine}, torch {torch.__version__}: wall and CPU seconds (the child's user + system",
+        f"time) from start to exit, median of {repeat} fresh processes. REPORT.json is a one-candidate search",
+        "report, DIR a fresh calibration folder (the cached row reads what the row above wrote).",
+        "",
+        "| command | wall s | CPU s |",
+        "|---|---|---|",
+        *(row(figures) for figures in rows.values()),
+        "",
+    ])
 
 
 if __name__ == "__main__":
