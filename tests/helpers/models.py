@@ -79,6 +79,19 @@ def optimizer_state_numel(optim) -> int:
     return local_numel(v for state in inner.state.values() for v in state.values() if torch.is_tensor(v) and v.ndim > 0)
 
 
+def result_steps(result, steps: int) -> list[float]:
+    """The loop through ``result.backward`` and ``result.step`` (a pipeline's model runs its
+    schedule in the forward and needs them): this rank's loss of each step."""
+    losses, batches = [], iter(result.dataloader)
+    for _ in range(steps):
+        batch = result.prepare_input(next(batches), torch.device("cpu"))
+        loss = result.loss_func(batch, result.model(**batch))
+        result.backward(loss)
+        result.step()
+        losses.append(loss.item())
+    return losses
+
+
 def run_steps(result, steps: int, clip: float | None = None) -> tuple[list[float], list[float]]:
     """The user's training loop over an auto_accelerate result: global losses (and norms when clipping)."""
     out = train_steps(result, steps, clip)

@@ -61,19 +61,13 @@ def _serial_losses() -> list[float]:
 def _train(load_strategy) -> dict:
     from atorch.auto import auto_accelerate
     from tests.helpers.hf import CountingTokens
+    from tests.helpers.models import optimizer_state_numel, result_steps
 
     _, result, strategy = auto_accelerate(
         _llama(), torch.optim.AdamW, CountingTokens(), lambda batch, out: out.loss, optim_args={"lr": 1e-2},
         dataloader_args={"batch_size": BATCH}, model_input_format="unpack_dict", load_strategy=load_strategy)
-    losses, batches = [], iter(result.dataloader)
-    for _ in range(STEPS):
-        batch = result.prepare_input(next(batches), torch.device("cpu"))
-        loss = result.loss_func(batch, result.model(**batch))
-        result.backward(loss)
-        result.step()
-        losses.append(loss.item())
-    inner = getattr(result.optim, "optim", result.optim)  # ZeroRedundancyOptimizer's local optimizer
-    state = sum(t.numel() for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.ndim)
+    losses = result_steps(result, STEPS)
+    state = optimizer_state_numel(result.optim)
     local = sum(p.numel() for p in result.model.parameters() if p.requires_grad)
     kinds = {type(m).__name__ for _, m in result.model.local_named_modules() if "Parallel" in type(m).__name__}
     return {"losses": losses, "methods": strategy.opt_names, "optimizer": type(result.optim).__name__,

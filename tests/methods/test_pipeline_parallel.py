@@ -97,6 +97,7 @@ PP2_DATA2 = ("parallel_mode", ([("pipeline", 2), ("data", 2)], None))
 def _pipeline_with_zero1() -> dict:
     from atorch.auto import auto_accelerate
     from tests.helpers.hf import CountingTokens, tiny_llama
+    from tests.helpers.models import optimizer_state_numel, result_steps
 
     out = {}
     for name, extra in (("plain", []), ("zero1", ["zero1"])):
@@ -104,16 +105,7 @@ def _pipeline_with_zero1() -> dict:
             tiny_llama(), torch.optim.AdamW, CountingTokens(), lambda batch, out: out.loss, optim_args={"lr": 1e-2},
             dataloader_args={"batch_size": 8}, model_input_format="unpack_dict",
             load_strategy=[PP2_DATA2, ("pipeline_parallel", {"num_microbatches": 2}), *extra])
-        losses, batches = [], iter(result.dataloader)
-        for _ in range(5):
-            batch = result.prepare_input(next(batches), torch.device("cpu"))
-            loss = result.loss_func(batch, result.model(**batch))
-            result.backward(loss)
-            result.step()
-            losses.append(loss.item())
-        inner = getattr(result.optim, "optim", result.optim)  # ZeroRedundancyOptimizer's local optimizer
-        state = sum(t.numel() for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.ndim)
-        out[name] = {"losses": losses, "state_numel": state, "optimizer": type(result.optim).__name__,
+        out[name] = {"losses": result_steps(result, 5), "state_numel": optimizer_state_numel(result.optim), "optimizer": type(result.optim).__name__,
                      "methods": strategy.opt_names}
     return out
 
