@@ -68,14 +68,9 @@ def test_benchmarks_page_quotes_its_results_files():
         assert sources, f"docs/benchmarks.md, {name}: figures without a results file"
         lines = {line.strip() for source in sources for line in source.read_text().splitlines()}
         for line in quoted:
-            if name == "`atorch` command start-up":  # the results file has before and after columns
-                command, wall, cpu = [cell.strip() for cell in line.strip("|").split("|")]
-                assert any(row.startswith(f"| {command} |") and row.endswith(f"| {wall} | {cpu} |") for row in lines), \
-                    f"docs/benchmarks.md, {name}: {line!r} is not the 'after' of a row in {sources}"
-            else:
-                assert line.strip() in lines, f"docs/benchmarks.md, {name}: {line!r} is not in {[s.name for s in sources]}"
+            assert line.strip() in lines, f"docs/benchmarks.md, {name}: {line!r} is not in {[s.name for s in sources]}"
             checked += 1
-    assert checked > 60
+    assert checked > 50  # the page's tables (the start-up table is on cli.md, checked below)
 
 
 def test_benchmarks_page_is_reference_not_history():
@@ -89,8 +84,7 @@ def test_benchmarks_page_is_reference_not_history():
     assert len((ROOT / "docs" / "benchmarks.md").read_text().splitlines()) < 250
 
 
-# Pages that quote benchmark figures beside docs/benchmarks.md (checked above); the pages other
-# helpers own (migrating, intra_layer) quote none.
+# Pages that quote benchmark figures beside docs/benchmarks.md (checked above).
 QUOTING_PAGES = ("cli.md", "compression.md", "integrations.md", "pipeline.md", "zero_profile.md")
 
 
@@ -139,8 +133,7 @@ def test_pages_are_reference_not_history():
     '**Before' entries (the history is in CHANGELOG.md and benchmarks/results/history_*.md)."""
     import re
 
-    own = {"migrating.md", "intra_layer.md"}  # kept by other work; checked once it lands
-    pages = [p for p in sorted((ROOT / "docs").rglob("*.md")) if p.name not in own and "dev" not in p.parts]
+    pages = [p for p in sorted((ROOT / "docs").rglob("*.md")) if "dev" not in p.parts]
     assert len(pages) > 30
     for page in pages:
         text = page.read_text()

@@ -139,7 +139,9 @@ def test_ddp_and_checkpoint_steps_are_estimated_within_the_band_after_calibratio
     """A toy Llama's plain data parallel and checkpointed steps on 2 ranks, measured, against the
     estimate at this machine's calibration: within the band, and closer than without the term."""
     result = run_distributed(_calibrate_then_measure, 2, str(tmp_path), [0, 4], timeout_s=300)[0]
-    assert result["method_seconds"].get("step", 0) > 0, result  # every step pays some
+    # The fit shares a step's fixed cost between "step" and the methods every candidate has (two
+    # calibrations here put it on either): some unit must carry it, which one is not fixed.
+    assert sum(result["method_seconds"].values()) > 0, result
     _assert_within_band(result["rows"])
 
 
