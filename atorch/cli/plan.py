@@ -130,12 +130,15 @@ def _candidate_rows(model, args, assumptions, memory) -> list:
 def _candidate_row(model, strategy, args, assumptions, probe) -> tuple:
     from atorch.auto.model_states import model_states
     from atorch.auto.search.engine import estimate_candidate
+    from atorch.auto.search.space import method_labels
     from atorch.utils.log import quiet
+
+    labels = method_labels(strategy.items())  # "checkpoint (selective)", "gradient_accumulation x4": rows differ
 
     with quiet():
         est, reason = estimate_candidate(model, strategy, args.world_size, assumptions.state_factor, probe, args.device)
     if est is None:
-        return strategy.opt_names, None, reason or "no estimate: a method cannot run on the meta device"
+        return labels, None, reason or "no estimate: a method cannot run on the meta device"
     terms = {"params": est.params, "grads": est.grads, "optim_state": est.optim_state, "gathered": est.gathered,
              "activations": est.activations, "step_temp": est.step_temp, "backward_grads": est.backward_grads,
              "buckets": est.buckets, "reduce_temp": est.reduce_temp}
@@ -144,7 +147,7 @@ def _candidate_row(model, strategy, args, assumptions, probe) -> tuple:
         terms.update(model_states(model, sharding, args.world_size, assumptions))
         if sharding is not None:  # DeepSpeed's ZeRO engine replaces DDP and its buckets
             terms["buckets"] = 0
-    return strategy.opt_names, terms, None
+    return labels, terms, None
 
 
 def _peak(terms: dict) -> int:
@@ -164,11 +167,12 @@ def _print_table(rows, with_activations: bool, memory: int) -> None:
         total = _peak(terms) if with_activations else _states(terms)
         return (0 if total <= memory else 1, len(names), total)
 
-    print(f"{'strategy':58} " + " ".join(f"{h:>9}" for h in header) + "  verdict")
+    width = max([58] + [len(" + ".join(names)) for names, _, _ in rows])  # columns line up under long labels
+    print(f"{'strategy':{width}} " + " ".join(f"{h:>9}" for h in header) + "  verdict")
     for names, terms, reason in sorted(rows, key=order):
         label = " + ".join(names) or "(plain)"
         if terms is None:
-            print(f"{label:58} {reason}")
+            print(f"{label:{width}} {reason}")
             continue
         cells = [terms["params"], terms["grads"], terms["optim_state"], terms["gathered"], terms.get("buckets", 0),
                  _states(terms)]
@@ -176,7 +180,7 @@ def _print_table(rows, with_activations: bool, memory: int) -> None:
             cells += [terms["activations"], _peak(terms)]
         total = cells[-1]
         verdict = "fits" if total <= memory else "over budget"
-        print(f"{label:58} " + " ".join(f"{c / GIB:9.2f}" for c in cells) + f"  {verdict}")
+        print(f"{label:{width}} " + " ".join(f"{c / GIB:9.2f}" for c in cells) + f"  {verdict}")
 
 
 def _states(terms: dict) -> int:
