@@ -128,7 +128,8 @@ class TracedLayout(Layout):
         if adjacent:
             relay_skipping_values(pipe)
         for index in range(pipe.num_stages):
-            _contiguous_boundaries(pipe.get_stage_module(index))
+            _drop_dtype_asserts(pipe.get_stage_module(index))
+            _contiguous_boundaries(pipe.get_stage_module(index), sends=index < pipe.num_stages - 1)
         try:  # the stages' programs, run in turn on meta tensors: what the ranks will run, without memory
             with torch.no_grad():
                 pipe(*example)
@@ -296,10 +297,29 @@ def _retarget_devices(stage: nn.Module, device: torch.device) -> None:
                 compiled.recompile()
 
 
-def _contiguous_boundaries(stage: nn.Module) -> None:
+def _drop_dtype_asserts(stage: nn.Module) -> None:
+    """torch.export checks the dtype each traced ``.to``/``.float()`` input had (float32 on meta);
+    under amp_native's autocast a matmul before it gives bfloat16/float16, which the op converts
+    as the untraced model would. The checks go; the conversions stay."""
+    check = torch.ops.aten._assert_tensor_metadata.default
+    for module in stage.modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        found = [node for node in graph.nodes if node.op == "call_function" and node.target is check]
+        for node in found:
+            graph.erase_node(node)
+        if found:  # a GraphModule regenerates its code, an unflattened InterpreterModule its graph_module
+            module.recompile() if hasattr(module, "recompile") else module.finalize()
+
+
+def _contiguous_boundaries(stage: nn.Module, sends: bool = True) -> None:
     """Send and receive contiguous tensors: gloo refuses others, and a traced value crossing a cut
     may be a view (an expanded mask), whose strides torch's traced stage copies into its receive
-    buffers."""
+    buffers. A stage that ``sends`` also sends each value in the dtype it was traced in: under
+    amp_native the schedule runs in autocast, whose matmuls give bfloat16/float16 where the trace
+    (on meta tensors, which autocast leaves alone) recorded float32, and the next stage's receive
+    buffer refused them ("Tensor dtype mismatch")."""
     graph = stage.graph
     for node in graph.nodes:
         val = node.meta.get("val")
@@ -312,6 +332,8 @@ def _contiguous_boundaries(stage: nn.Module) -> None:
         if not isinstance(val, torch.Tensor):
             return node  # (a traced value's recorded strides may differ from the run's: always copy a view)
         with graph.inserting_before(output):
+            if sends and val.is_floating_point():
+                node = graph.call_method("to", (node, val.dtype))  # no copy when it already is
             copy_ = graph.call_method("contiguous", (node,))
         copy_.meta["val"] = torch.empty(val.shape, dtype=val.dtype, device="meta")
         return copy_

@@ -127,3 +127,29 @@ def test_padded_classifier_batch_and_loss_returning_model_interleaved():
 @pytest.mark.slow
 def test_tokenized_batches_and_loss_returning_models_through_two_stages():
     _assert_equal_to_serial(run_distributed(_all_batches, 2, True))
+
+
+def _gpt2_under_autocast() -> dict:
+    """GPT-2 on a padded batch through 2 stages with the schedule in bf16 autocast (what
+    amp_native does to a pipeline), against the serial model in the same autocast."""
+    from atorch.amp.autocast import autocast_module
+    from atorch.pipeline import PipelineModel
+
+    batch = _tokenized("gpt2")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss, ref_grads = _serial(_hf("gpt2"), batch, MICRO)
+    model = PipelineModel(_hf("gpt2"), num_microbatches=MICRO, broadcast_and_average_loss=True, auto_partition=True)
+    autocast_module(model, "cpu", torch.bfloat16)
+    loss = float(model(**batch))
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    grads = [(ref_grads[n] - p.grad).abs().max().item() / scale for n, p in model.local_named_parameters()
+             if p.grad is not None and n in ref_grads]
+    return {"loss": abs(loss - ref_loss) / abs(ref_loss), "grad": max(grads), "grads": len(grads)}
+
+
+def test_a_traced_pipeline_runs_under_bf16_autocast_like_the_serial_model():
+    """Before: the first stage sent bfloat16 activations where its trace (on meta, which autocast
+    leaves alone) recorded float32, and the next stage refused them ("Tensor dtype mismatch")."""
+    for rank, diffs in enumerate(run_distributed(_gpt2_under_autocast, 2)):
+        assert diffs["grads"] > 0, rank
+        assert diffs["loss"] <= 1e-2 and diffs["grad"] <= 5e-2, (rank, diffs)
