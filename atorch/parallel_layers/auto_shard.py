@@ -50,7 +50,7 @@ def _linear_from_conv1d(conv: nn.Module, row_order: torch.Tensor | None = None) 
     if row_order is not None:
         weight, bias = weight[row_order], bias[row_order]
     linear = nn.Linear(weight.shape[1], weight.shape[0], device="meta")
-    linear.weight = nn.Parameter(weight.clone(), conv.weight.requires_grad)
+    linear.weight = nn.Parameter(weight.clone(memory_format=torch.contiguous_format), conv.weight.requires_grad)
     linear.bias = nn.Parameter(bias.clone(), conv.bias.requires_grad)
     return linear
 

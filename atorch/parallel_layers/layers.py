@@ -204,7 +204,9 @@ def allreduce_sequence_parallel_grads(model: nn.Module, group) -> None:
 
 def _take(param: torch.Tensor, dim: int, group) -> torch.Tensor:
     world, rank = _size_rank(group)
-    return param.detach().chunk(world, dim=dim)[rank].clone()
+    # contiguous: a chunk of a transposed weight (a Conv1D's, rebuilt as a Linear) keeps its strides
+    # through a plain clone, and FSDP refuses non-contiguous parameters
+    return param.detach().chunk(world, dim=dim)[rank].clone(memory_format=torch.contiguous_format)
 
 
 def column_from_linear(linear: nn.Linear, group, gather_output: bool = False,

@@ -104,4 +104,5 @@ def train_family(family: str, load_strategy, steps: int = 5, lr: float = 1e-2) -
     steps_out = train_steps(result, steps)
     kinds = sorted({type(m).__name__ for m in result.model.modules() if "Parallel" in type(m).__name__})
     return {**steps_out, "replicated": replicated_params(result.model), "strategy": strategy.to_json(),
-            "parallel_modules": kinds}
+            "parallel_modules": kinds,
+            "non_contiguous": [n for n, p in result.model.named_parameters() if not p.is_contiguous()]}
