@@ -112,6 +112,10 @@ def test_plan_search_says_why_nothing_fits_and_needs_a_profile(tmp_path, capsys)
     assert "nothing fits 0.0 GiB per rank; the smallest is" in capsys.readouterr().out
     assert main(["plan", "--search", "--hf-config", config, "--world-size", "2", "--batch-size", "2"]) == 2
     assert "needs --profile NAME (known: h100_80gb" in capsys.readouterr().err
+    # every missing flag in one run, not one a run (the model, the world size, the profile, the batch)
+    assert main(["plan", "--search"]) == 2
+    err = capsys.readouterr().err
+    assert all(flag in err for flag in ("--hf-config", "--world-size", "--profile", "--batch-size")), err
     assert main(["plan", "--search", "--profile", "tpu", "--hf-config", config, "--world-size", "2",
                  "--batch-size", "2"]) == 2
     assert "known profiles: h100_80gb" in capsys.readouterr().err

@@ -11,8 +11,8 @@ GIB = 2**30
 
 def add_parser(sub) -> None:
     plan = sub.add_parser("plan", help="estimate per-rank memory (GiB) of candidate strategies, with no hardware")
-    add_model_flags(plan, required=True)
-    plan.add_argument("--world-size", type=int, required=True)
+    add_model_flags(plan)  # required, as --world-size is: _missing reports every missing flag at once
+    plan.add_argument("--world-size", type=int, default=None)
     plan.add_argument("--memory", default=None,
                       help="memory per device (80GiB, 40GB, bytes); default 80GiB, or the profile's with --search")
     plan.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -41,10 +41,29 @@ def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _missing(args) -> list[str]:
+    """Every flag this plan needs and was not given (argparse would name one a run)."""
+    missing = []
+    if not (args.hf_config or args.model):
+        missing.append("--hf-config FILE or --model MODULE:FUNCTION (the model)")
+    if args.world_size is None:
+        missing.append("--world-size N")
+    if args.search and args.profile is None:
+        from atorch.auto.search.profiles import profile_names
+
+        missing.append(f"--profile NAME (known: {', '.join(profile_names())}) or the path of a profile JSON file")
+    if args.search and args.batch_size is None:
+        missing.append("--batch-size (the global batch, in sequences)")
+    return missing
+
+
 def cmd_plan(args) -> int:
     from atorch.auto.model_states import Assumptions
     from atorch.auto.search import cost
 
+    missing = _missing(args)
+    if missing:
+        raise ValueError(f"atorch plan{' --search' if args.search else ''} needs " + ", ".join(missing))
     if args.search:
         from atorch.cli.plan_search import cmd_plan_search
 

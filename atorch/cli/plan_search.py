@@ -212,17 +212,10 @@ def cmd_plan_search(args) -> int:
 
     from atorch.auto.model_states import Assumptions
     from atorch.auto.search import cost
-    from atorch.auto.search.profiles import load_profile, profile_names
+    from atorch.auto.search.profiles import load_profile
     from atorch.cli import plan_report
 
-    missing = []
-    if args.profile is None:
-        missing.append(f"--profile NAME (known: {', '.join(profile_names())}) or the path of a profile JSON file")
-    if args.batch_size is None:
-        missing.append("--batch-size (the global batch, in sequences)")
-    if missing:
-        raise ValueError("atorch plan --search needs " + " and ".join(missing))
-    profile = load_profile(args.profile)
+    profile = load_profile(args.profile)  # the flags it needs were checked by atorch.cli.plan
     memory = cost.parse_bytes(args.memory) if args.memory else profile.memory
     assumptions = Assumptions.make("atorch", args.dtype, args.optimizer)
     _progress("atorch plan --search: building the model on the meta device ...")
