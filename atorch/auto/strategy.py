@@ -126,8 +126,8 @@ class Strategy:
             return False, None
         if config.dims is None and config.rank_order is None:
             return True, None
-        atorch_names = {"tensor": "model", "pipeline": "pipe"}
-        dims = None if config.dims is None else [(atorch_names.get(name, name), size) for name, size in config.dims]
+        upstream_names = {"tensor": "model", "pipeline": "pipe"}  # ATorch, upstream
+        dims = None if config.dims is None else [(upstream_names.get(name, name), size) for name, size in config.dims]
         return True, (dims, None if config.rank_order is None else list(config.rank_order))
 
     def get(self, name: str) -> MethodConfig | None:
