@@ -9,11 +9,11 @@ gloo group of their own with that timeout, so a rank that stops answering (a fro
 stopped process) ends the others' wait with a CheckpointError instead of torch's 30 minutes.
 """
 
-import datetime
 from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from atorch.distributed.side_groups import side_group
 from atorch.errors import CheckpointError
 
 
@@ -29,8 +29,6 @@ def world_size() -> int:
     return dist.get_world_size() if distributed() else 1
 
 
-# (the default group it was made under, the checkpoint's group, its timeout in seconds)
-_timed: tuple = (None, None, None)
 _timeout: float | None = None
 
 
@@ -52,16 +50,10 @@ def deadline(seconds: float | None):
 
 def group():
     """The process group of the checkpoint's collectives: None (the default group) without a
-    timeout, else a gloo group with it, made once per default group and timeout."""
-    global _timed
+    timeout, else a gloo group with it."""
     if _timeout is None or not distributed():
         return None
-    world, timed, seconds = _timed
-    if world is not dist.GroupMember.WORLD or seconds != _timeout:
-        timed = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=_timeout),
-                               group_desc="atorch_checkpoint")
-        _timed = (dist.GroupMember.WORLD, timed, _timeout)
-    return timed
+    return side_group("atorch_checkpoint", _timeout)
 
 
 def gather(value) -> list:

@@ -8,13 +8,11 @@ out (a dry run's groups have the candidate's timeout, see :func:`atorch.auto.sea
 and then joins the agreement.
 """
 
-import datetime
-
 import torch
 import torch.distributed as dist
 
-# (the default group it belongs to, the agreement group, its timeout in seconds or None)
-_agreement: tuple = (None, None, None)
+from atorch.distributed.side_groups import side_group
+
 _wanted_timeout: float | None = None
 
 
@@ -36,15 +34,9 @@ def _active() -> bool:
 
 def agreement_group() -> dist.ProcessGroup:
     """The agreements' process group, created on first use (a collective call: the first use must
-    come where every rank is in step, before any group a candidate creates)."""
-    global _agreement
-    world, group, seconds = _agreement
-    if world is not dist.GroupMember.WORLD or seconds != _wanted_timeout:
-        # gloo, whatever the default backend: the agreements exchange a few numbers on the CPU.
-        timeout = {} if _wanted_timeout is None else {"timeout": datetime.timedelta(seconds=_wanted_timeout)}
-        group = dist.new_group(backend="gloo", group_desc="atorch_search_agreement", **timeout)
-        _agreement = (dist.GroupMember.WORLD, group, _wanted_timeout)
-    return group
+    come where every rank is in step, before any group a candidate creates). gloo, whatever the
+    default backend: the agreements exchange a few numbers on the CPU."""
+    return side_group("atorch_search_agreement", _wanted_timeout)
 
 
 def _agree(what: str, collective, *args, **kwargs):
@@ -55,7 +47,7 @@ def _agree(what: str, collective, *args, **kwargs):
         text = str(error)
         if "timed out" not in text.lower() and "timeout" not in text.lower():
             raise
-        waited = "" if _agreement[2] is None else f" within {_agreement[2]:.0f}s"
+        waited = "" if _wanted_timeout is None else f" within {_wanted_timeout:.0f}s"
         raise AgreementTimeout(
             f"rank {dist.get_rank()}: not every rank reached the search's agreement ({what}){waited}: a rank "
             "stopped, hung or died (a frozen file system, a deadlocked data loader, a killed process), and the "
