@@ -280,10 +280,7 @@ def _retarget_devices(stage: nn.Module, device: torch.device) -> None:
             return device
         return value
 
-    for module in stage.modules():
-        graph = getattr(module, "graph", None)
-        if not isinstance(graph, torch.fx.Graph):
-            continue
+    def retarget(graph: torch.fx.Graph) -> bool:
         changed = False
         for node in graph.nodes:
             if node.op != "call_function":
@@ -291,7 +288,18 @@ def _retarget_devices(stage: nn.Module, device: torch.device) -> None:
             args, kwargs = pytree.tree_map(fix, node.args), pytree.tree_map(fix, node.kwargs)
             if args != node.args or kwargs != node.kwargs:
                 node.args, node.kwargs, changed = args, kwargs, True
-        if changed:
+        return changed
+
+    _edit_graphs(stage, retarget)
+
+
+def _edit_graphs(stage: nn.Module, edit) -> None:
+    """``edit(graph)`` on the fx graph of each of the stage's modules (the stage's and its
+    unflattened submodules'); where it returns True (it changed the graph), the module's generated
+    code is made again (an unflattened module not yet compiled runs its graph as it is)."""
+    for module in stage.modules():
+        graph = getattr(module, "graph", None)
+        if isinstance(graph, torch.fx.Graph) and edit(graph):
             compiled = module if isinstance(module, torch.fx.GraphModule) else getattr(module, "graph_module", None)
             if compiled is not None:
                 compiled.recompile()
@@ -302,15 +310,14 @@ def _drop_dtype_asserts(stage: nn.Module) -> None:
     under amp_native's autocast a matmul before it gives bfloat16/float16, which the op converts
     as the untraced model would. The checks go; the conversions stay."""
     check = torch.ops.aten._assert_tensor_metadata.default
-    for module in stage.modules():
-        graph = getattr(module, "graph", None)
-        if not isinstance(graph, torch.fx.Graph):
-            continue
+
+    def drop(graph: torch.fx.Graph) -> bool:
         found = [node for node in graph.nodes if node.op == "call_function" and node.target is check]
         for node in found:
             graph.erase_node(node)
-        if found:  # a GraphModule regenerates its code, an unflattened InterpreterModule its graph_module
-            module.recompile() if hasattr(module, "recompile") else module.finalize()
+        return bool(found)
+
+    _edit_graphs(stage, drop)
 
 
 def _contiguous_boundaries(stage: nn.Module, sends: bool = True) -> None:
