@@ -137,12 +137,16 @@ def _layout(strategy, world: int) -> str:
 
 
 def _label(strategy: dict, world: int) -> str:
-    """The methods on top of the layout, and the layout: ``checkpoint [pipeline=2 x data=2, microbatches=4]``."""
+    """The methods on top of the layout, each variant named as the search's report names it, and
+    the layout: ``checkpoint (selective) + gradient_accumulation x4 [pipeline=2 x data=2, microbatches=4]``.
+    Without the variants, two candidates of one space read the same (gradient_accumulation x2 and
+    x4), and a table keyed by label paired one's measurement with the other's estimate."""
     from atorch.auto.registry import get_method
+    from atorch.auto.search.space import method_labels
     from atorch.auto.strategy import Strategy
 
     parsed = Strategy.from_data(strategy)
-    names = [n for n in parsed.opt_names if n != "parallel_mode" and get_method(n).layouts is None]
+    names = method_labels((n, c) for n, c in parsed.items() if n != "parallel_mode" and get_method(n).layouts is None)
     return f"{' + '.join(names) or 'plain'} [{_layout(parsed, world)}]"
 
 
@@ -261,7 +265,7 @@ def scenario(name: str, size: Size, spec: Scenario, repeats: int, steps: int, re
 
     budget = _budget(spec.budget, measured, model, world, remeasure)
     fitting = [c for c in measured if _fits(c, budget, model, world)]
-    table = [{"strategy": _label(c.strategy, world), "throughput": c.throughput,
+    table = [{"strategy": _label(c.strategy, world), "config": c.strategy, "throughput": c.throughput,
               "measured_peak_bytes": c.measured_peak_bytes, "estimated_peak_bytes": c.estimated_peak_bytes,
               "estimated_step_seconds": c.estimated_step_seconds, "fits": c in fitting, "status": c.status,
               "reason": c.reason} for c in exhaustive.candidates]

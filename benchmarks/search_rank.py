@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import harness  # noqa: E402
 from benchmarks.search_jobs import JOBS  # noqa: E402
-from benchmarks.search_quality import SCENARIOS, _label  # noqa: E402
+from benchmarks.search_quality import SCENARIOS  # noqa: E402
 
 
 def estimates(names: list[str]) -> dict:
-    """{scenario: {candidate label: estimated step seconds}} (on every rank)."""
+    """{scenario: [(candidate strategy as JSON, estimated step seconds)]} (on every rank)."""
     from atorch.auto.environment import DeviceContext
     from atorch.auto.search import measure
     from atorch.auto.search.calibrate import calibrate
@@ -50,11 +50,23 @@ def estimates(names: list[str]) -> dict:
         with quiet():
             report = measure(model, candidates, torch.optim.AdamW, work.dataset(size), work.loss_func, max_dryruns=0,
                              **job)
-        out[name] = {}
-        for c in report.candidates:
-            if c.estimated_step_seconds:
-                out[name].setdefault(_label(c.strategy, device_ctx.world_size), c.estimated_step_seconds)
+        out[name] = [(_key(c.strategy), c.estimated_step_seconds) for c in report.candidates if c.estimated_step_seconds]
     return out
+
+
+def _key(strategy: dict) -> str:
+    return json.dumps(strategy, sort_keys=True)
+
+
+def _matched(stored: list[dict], now: list) -> list[tuple[float, float]]:
+    """(estimated again, measured) of each stored candidate with a throughput, matched by its
+    strategy (``config``): a label alone can name two candidates of one space."""
+    if not all("config" in c for c in stored):
+        raise SystemExit("the results file has no candidate configs (search_quality.py before 2026-11-26): run "
+                         "search_quality.py again to rank against it")
+    estimates = dict(now)
+    return [(estimates[_key(c["config"])], c["throughput"]) for c in stored
+            if c.get("throughput") and _key(c["config"]) in estimates]
 
 
 def _rho(pairs: list[tuple[float, float]]) -> str:
@@ -77,7 +89,7 @@ def main(argv=None) -> str:
     for name in names:
         measured = [c for c in stored[name]["exhaustive"] if c.get("throughput")]
         then = [(c["estimated_step_seconds"], c["throughput"]) for c in measured if c.get("estimated_step_seconds")]
-        again = [(now[name][c["strategy"]], c["throughput"]) for c in measured if c["strategy"] in now[name]]
+        again = _matched(stored[name]["exhaustive"], now[name])
         body.append([name, len(again), _rho(then), _rho(again)])
     markdown = harness.table(["scenario", "candidates", "Spearman, the stored run's estimates",
                               "Spearman, estimated again"], body)
