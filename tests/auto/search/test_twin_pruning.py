@@ -90,3 +90,13 @@ def test_a_twin_measured_to_fit_prunes_a_candidate_that_has_not_run():
     _prune_twins(results, measured, pending={id(c["amp"][1])})
     assert c["amp"][1].pruned_by == SLOWER
     assert c["plain"][1].reason is None
+
+
+def test_a_method_estimated_slower_within_the_estimates_error_is_measured():
+    """zero1 on search_quality's BERT was estimated 1.16x slower than plain DDP and ran 8% faster
+    side by side: a gap the estimate's error between candidates (the early stop's slack) covers is
+    not a reason to skip the dry run."""
+    c = _candidates(plain=1.0, amp=1.16)
+    _prune_twins(list(c.values()), fits={id(c["plain"][0])})
+    assert c["amp"][1].reason is None
+    assert SLOWER_MARGIN >= 1.2
