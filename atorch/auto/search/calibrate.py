@@ -126,6 +126,9 @@ def _check_cached(path: Path, device: torch.device) -> tuple[dict | None, str]:
                                  or "attention_flops" not in data):
         return None, (f"{path} was measured before a CPU's bf16 rate was taken from a model's step under autocast "
                       "and its attention rates were measured (run atorch calibrate --refresh)")
+    if device.type == "cpu" and "ranks_per_core" not in data:
+        return None, (f"{path} was measured before the ranks sharing a core were counted and gradient accumulation's "
+                      "and pipeline=4's overheads measured (run atorch calibrate --refresh)")
     if "method_seconds" not in data:
         return None, (f"{path} was measured before the methods' host overheads were (run atorch calibrate "
                       "--refresh)")
@@ -213,6 +216,8 @@ def measure(device: torch.device) -> dict:
                                        "collectives' calibrated latencies, over its all-gathers and "
                                        f"reduce-scatters, median of {REPEATS}, the slowest rank's"
                if world > 1 else "one rank: nothing to measure",
+               "ranks_per_core": f"{how}: this node's ranks x each one's threads / the cores this process may "
+                                 "run on (os.sched_getaffinity), at least 1",
                "memory": "this device's memory (the node's RAM shared by its ranks on CPU)",
                "intra_node.bandwidth": f"{how}: all-reduce over the largest group inside a node"
                if inside else "nominal: one rank, nothing to measure",
@@ -236,6 +241,7 @@ def measure(device: torch.device) -> dict:
         "checkpoint_save_seconds": checkpoint_save_seconds,
         "wrapped_call_seconds": wrapped_call_seconds,
         **({"attention_flops": attention} if attention else {}),
+        **({"ranks_per_core": _ranks_per_core(setting)} if device.type == "cpu" else {}),
         "attention": "flash" if device.type == "cuda" else "math",
         "calibration": {"device": device_name(device), "world_size": world, **setting, "when": when,
                         "seconds": seconds, "torch": torch.__version__, **cpu_rates},
@@ -246,6 +252,12 @@ def measure(device: torch.device) -> dict:
     data["sources"]["method_seconds"] = f"{how}: {method_how}"
     data["calibration"]["seconds"] = time.perf_counter() - began
     return data
+
+
+def _ranks_per_core(setting: dict) -> float:
+    """How many ranks share one core: a node's ranks x each one's threads over its cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1.0, setting["local_world_size"] * setting.get("threads", 1) / max(cores, 1))
 
 
 def _memory(device: torch.device, local: int) -> int:

@@ -78,6 +78,7 @@ def _write_calibration(directory, world: int, flops: float, links: dict[str, tup
         "checkpoint_save_seconds": 0.0,
         "wrapped_call_seconds": 0.0,
         "method_seconds": {},
+        "ranks_per_core": 1.0,
         "attention_flops": {"fp32": flops, "bf16": flops / 2},
         "calibration": {"device": "cpu", "world_size": world, **setting, "autocast_step_speedup": 1.0},
         "sources": {"matmul_flops": "test", "memory": "test", "intra_node.bandwidth": "test",
@@ -119,7 +120,8 @@ def test_a_calibration_taken_with_another_setting_is_not_used(tmp_path, monkeypa
     assert rates is None and text.startswith("nominal rates") and "local_world_size" in text
 
 
-@pytest.mark.parametrize("term", ["op_seconds", "checkpoint_save_seconds", "wrapped_call_seconds", "method_seconds"])
+@pytest.mark.parametrize("term", ["op_seconds", "checkpoint_save_seconds", "wrapped_call_seconds", "method_seconds",
+                                  "ranks_per_core"])
 def test_a_calibration_from_before_an_overhead_was_measured_is_measured_again(tmp_path, term):
     _write_calibration(tmp_path, 2, 1e9, {"all_reduce": (1e8, 1e-4)})
     path = calib.cache_path(torch.device("cpu"), 2, tmp_path)

@@ -86,6 +86,11 @@ class HardwareProfile:
     # training step's own, charged once a step to every candidate): measured by calibration as what
     # dry runs of a small model take beyond the rest of the estimate; empty in a datasheet profile
     method_seconds: dict = field(default_factory=dict)
+    # ranks that share one CPU core (a node's ranks x each one's threads / its cores), at least 1:
+    # the matmul rates are measured with every rank computing, so they are a shared core's; a rank
+    # idle in a pipeline's bubble gives its share to the others (see StepCost.bubble_factor).
+    # Calibration on a CPU measures it; 1 in a datasheet profile (a device a rank)
+    ranks_per_core: float = 1.0
 
     def peak(self, compute_dtype: str) -> float:
         """Peak dense FLOP/s for the cost model's compute dtype ("half" or "fp32")."""
@@ -138,6 +143,14 @@ def load_profile(name_or_path: str) -> HardwareProfile:
 
 def _link(data: dict) -> Link:
     return Link(float(data["bandwidth"]), float(data["latency"]))
+
+
+def _ranks_per_core(data: dict, path: Path) -> float:
+    value = float(data.get("ranks_per_core", 1.0))
+    if not (math.isfinite(value) and value >= 1):
+        raise UnknownProfileError(f"hardware profile {path}: ranks_per_core is ranks sharing a core, at least 1, "
+                                  f"not {value:g}")
+    return value
 
 
 def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwareProfile:
@@ -193,5 +206,6 @@ def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwarePro
         nics_per_node=int(data.get("nics_per_node", 1)),
         kernel_seconds=float(data.get("kernel_seconds", 0.0)),
         method_seconds=methods,
+        ranks_per_core=_ranks_per_core(data, path),
         **host,
     )
