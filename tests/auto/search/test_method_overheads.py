@@ -59,6 +59,8 @@ def test_each_method_charges_its_own_units():
                                                ("pipeline_parallel", {"num_microbatches": 4})]),
                            {"pipeline": 2}, 2.0, 0, 1e6, 32, "cpu")
     assert pipe.overhead_units() == {"step": 1.0, "pipeline_parallel": 4}  # per microbatch a rank's stage runs
+    # gradient accumulation: per micro-batch past the first
+    assert _units([*ddp, ("gradient_accumulation", {"steps": 4})], {"data": 2})["gradient_accumulation"] == 3
     # autocast: per forward operator
     amp = cost.build_cost(_llama(), Strategy([*ddp, "amp_native"]), {"data": 2}, 2.0, 0, 1e6, 32, "cpu",
                           forward_ops=120)
@@ -81,6 +83,50 @@ def test_the_estimate_charges_units_times_the_calibrated_seconds():
     without = pipe.seconds()
     pipe.profile = dataclasses.replace(h100, method_seconds={"step": 0.01, "pipeline_parallel": 0.002})
     assert pipe.bubble > 0 and pipe.seconds() - without == pytest.approx(0.01 + 2 * 0.002)
+
+
+def _pipeline(microbatches: int, profile):
+    step = cost.build_cost(_llama(4), Strategy([("parallel_mode", {"dims": [("pipeline", 4)]}),
+                                                ("pipeline_parallel", {"num_microbatches": microbatches})]),
+                           {"pipeline": 4}, 2.0, 0, 1e6, 32, "cpu")
+    step.profile = profile
+    return step
+
+
+def test_a_bubble_on_shared_cores_costs_only_past_what_the_idle_ranks_give_back():
+    """4 stages: bubble 3/m. With a core per rank the step's compute is (1 + bubble) x a rank's; on
+    cores 2 ranks share (rates measured with every rank busy) a rank waiting in the bubble gives
+    its share away, and the critical path, at a whole core, is (1 + bubble) / 2 x: the larger of
+    that and the rank's own compute counts. On a GPU every rank has its device."""
+    own = dataclasses.replace(load_profile("h100_80gb"), overlap=0.0)
+    shared = dataclasses.replace(own, ranks_per_core=2.0)
+    for m, on_shared in ((4, 1.0), (2, 1.25), (1, 2.0)):
+        assert _pipeline(m, own).bubble == pytest.approx(3 / m)
+        assert _pipeline(m, own).bubble_factor() == pytest.approx(1 + 3 / m)  # device "cpu", a core a rank
+        assert _pipeline(m, shared).bubble_factor() == pytest.approx(on_shared)
+    gpu = _pipeline(4, shared)
+    gpu.device_type = "cuda"
+    assert gpu.bubble_factor() == pytest.approx(1.75)
+    assert _pipeline(4, None).bubble_factor() == pytest.approx(1.75)  # nominal rates
+    # the step time follows: with the bubble free, pipeline=4's compute is a rank's own
+    free, whole = _pipeline(4, shared), _pipeline(4, own)
+    assert free.seconds() < whole.seconds()
+
+
+def test_ranks_per_core_is_read_checked_and_measured_from_this_machine(monkeypatch):
+    from atorch.auto.search import calibrate as calib
+
+    data = {"matmul_flops": {"fp32": 1e9}, "sustained_fraction": 1.0, "memory": 2**30, "gpus_per_node": 1,
+            "intra_node": {"bandwidth": 1e9, "latency": 1e-5}, "inter_node": {"bandwidth": 1e9, "latency": 1e-5},
+            "sources": {"matmul_flops": "t", "memory": "t", "intra_node.bandwidth": "t", "inter_node.bandwidth": "t"}}
+    assert profile_from_data(data).ranks_per_core == 1.0
+    assert profile_from_data({**data, "ranks_per_core": 2}).ranks_per_core == 2.0
+    with pytest.raises(UnknownProfileError, match="ranks_per_core"):
+        profile_from_data({**data, "ranks_per_core": 0.5})
+    monkeypatch.setattr(calib.os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+    assert calib._ranks_per_core({"local_world_size": 4, "threads": 1}) == 2.0
+    assert calib._ranks_per_core({"local_world_size": 2, "threads": 4}) == 4.0
+    assert calib._ranks_per_core({"local_world_size": 1, "threads": 1}) == 1.0  # a core to spare: 1
 
 
 def test_a_negative_method_overhead_is_refused():
