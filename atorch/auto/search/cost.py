@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -93,7 +94,7 @@ def optimizer_state_factor(optim_func, optim_args: dict) -> float:
 OPTIMIZER_PROBE_ELEMENTS = (2**18, 2**21)  # fp32 elements of the two parameters whose steps are timed
 # Timed steps of each, after the step that creates the state (which warms it up): every search
 # pays for them, 0.21-0.30 s of search_quality's tensor-best search with 5 and a warm-up step more.
-OPTIMIZER_REPEATS = 3
+OPTIMIZER_REPEATS = 5
 
 
 def optimizer_seconds_per_byte(optim_func, optim_args: dict, device: torch.device) -> float:
@@ -121,7 +122,11 @@ def _optimizer_step_seconds(optim_func, optim_args: dict, device: torch.device, 
     param.grad = torch.full_like(param, 1e-3)
     optim = optim_func([param], **optim_args)
     optim.step()  # creates the state, and warms up
-    return median_seconds(device, optim.step, repeats=OPTIMIZER_REPEATS, warmup=False)
+    # every rank steps at once, as in training: ranks that drifted apart timed their steps with
+    # the cores to themselves or shared, and three searches of search_quality's MLP read 71, 111
+    # and 136 ms for one step of its 34 MB under Adam (plain DDP's and zero1's order turned on it)
+    together = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    return median_seconds(device, optim.step, group=together, repeats=OPTIMIZER_REPEATS, warmup=False)
 
 
 class _SavedBytes:
