@@ -3,8 +3,12 @@ models that are not Llamas, each built from a config (nothing is downloaded):
 
 - ``bert``: a BERT masked LM (an encoder: learned positions, post-norm, GELU, untied head bias);
 - ``gpt2``: a GPT-2 LM, its head tied to the token embedding (one weight, two uses);
-- ``mlp``: a parameter-heavy MLP on ``(input, target)`` batches (``model_input_format="input_target"``):
-  wide layers on few samples, so weights, gradients and Adam's state dominate the step's memory.
+- ``mlp``: a parameter-heavy residual MLP (blocks of LayerNorm and a 4x-wide MLP, as ResMLP
+  writes them) on ``(input, target)`` batches (``model_input_format="input_target"``): wide layers
+  on few samples, so weights, gradients and Adam's state dominate the step's memory. Until
+  2026-11-26 it was one flat ``nn.Sequential``: no blocks to checkpoint and no MLP to split, 16
+  distinct candidates, too few for the search to cost a tenth of trying them all (two dry runs and
+  its fixed cost were 0.27 of the exhaustive time).
 
 Every job is ``(build(size), dataset(size), loss_func, model_input_format)`` of one :class:`Job`.
 """
@@ -39,16 +43,40 @@ def build_gpt2(size: Size, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+class MLPBlock(torch.nn.Module):
+    """A pre-norm residual MLP block: ``x + mlp(norm(x))``, its MLP ``Linear(h, 4h), GELU,
+    Linear(4h, h)`` in an ``nn.Sequential`` (as ResMLP and MLP-Mixer's channel MLPs are written)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class ResidualMLP(torch.nn.Module):
+    """``size.seq`` input features, ``size.layers`` :class:`MLPBlock` of ``size.hidden``, a
+    classifier over ``size.vocab`` classes."""
+
+    def __init__(self, size: Size):
+        super().__init__()
+        self.embed = torch.nn.Linear(size.seq, size.hidden)
+        self.blocks = torch.nn.ModuleList(MLPBlock(size.hidden) for _ in range(size.layers))
+        self.head = torch.nn.Linear(size.hidden, size.vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 def build_mlp(size: Size, seed: int = 0) -> torch.nn.Module:
-    """``size.layers`` blocks of Linear(hidden, 4 hidden), GELU, Linear(4 hidden, hidden), on
-    ``size.seq`` input features."""
     torch.manual_seed(seed)
-    layers: list[torch.nn.Module] = [torch.nn.Linear(size.seq, size.hidden)]
-    for _ in range(size.layers):
-        layers += [torch.nn.Linear(size.hidden, 4 * size.hidden), torch.nn.GELU(),
-                   torch.nn.Linear(4 * size.hidden, size.hidden)]
-    layers.append(torch.nn.Linear(size.hidden, size.vocab))
-    return torch.nn.Sequential(*layers)
+    return ResidualMLP(size)
 
 
 class Features(Dataset):
