@@ -99,8 +99,8 @@ OPTIMIZER_REPEATS = 5
 
 def optimizer_seconds_per_byte(optim_func, optim_args: dict, device: torch.device) -> float:
     """Seconds the optimizer's step takes per byte of fp32 parameter it updates, timed on this
-    device: the slope between the steps of a 1 MiB and an 8 MiB parameter (each the median of
-    OPTIMIZER_REPEATS, the slowest rank's, after the step that creates the state), so a fixed cost per step (a GPU's launches) is not
+    device: the slope between the steps of a 1 MiB and an 8 MiB parameter (each the fastest of
+    OPTIMIZER_REPEATS, every rank stepping at once, the slowest rank's, after the step that creates the state), so a fixed cost per step (a GPU's launches) is not
     scaled up with the model. 0 when it cannot be timed (no optimizer, or one that needs more
     than parameters and a gradient)."""
     if optim_func is None:
@@ -124,9 +124,13 @@ def _optimizer_step_seconds(optim_func, optim_args: dict, device: torch.device, 
     optim.step()  # creates the state, and warms up
     # every rank steps at once, as in training: ranks that drifted apart timed their steps with
     # the cores to themselves or shared, and three searches of search_quality's MLP read 71, 111
-    # and 136 ms for one step of its 34 MB under Adam (plain DDP's and zero1's order turned on it)
+    # and 136 ms for one step of its 34 MB under Adam (plain DDP's and zero1's order turned on it).
+    # The fastest repetition: with the median, one search of its residual MLP still put that step
+    # at 283 ms and a re-estimate minutes later at 108, where every rank stepping 34 MB in 8
+    # tensors at once took 66 ms (median of 5, all ranks in step).
     together = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-    return median_seconds(device, optim.step, group=together, repeats=OPTIMIZER_REPEATS, warmup=False)
+    return median_seconds(device, optim.step, group=together, repeats=OPTIMIZER_REPEATS, warmup=False,
+                          fastest=True)
 
 
 class _SavedBytes:
