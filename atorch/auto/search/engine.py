@@ -336,9 +336,9 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
         # last slot not kept for a candidate sure to fit.
         last = len(to_run) - 1 - kept
         to_run = to_run[:last] + [baseline] + to_run[last + 1:]
-    for s, r in results:
-        if r.reason is None and (s, r) not in to_run:
-            r.reason, r.pruned_by = f"not dry-run: max_dryruns={options.max_dryruns} reached", MAX_DRYRUNS
+    # Past them, in order, the candidates that take the slot of one the dry runs so far prune
+    # (cannot fit, cannot win, a twin measured to fit): max_dryruns counts dry runs, not places.
+    reserve = [item for item in runnable if item not in to_run]
     last_seconds = 0.0
 
     def time_left() -> float | None:
@@ -356,14 +356,23 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
         return outcome
 
     stopped = 0  # candidates left that the estimate's measured error says cannot win
-    for index, (strategy, result) in enumerate(to_run, 1):
+    ran = 0
+    for strategy, result in [*to_run, *reserve]:
+        if ran >= options.max_dryruns:
+            result.reason, result.pruned_by = f"not dry-run: max_dryruns={options.max_dryruns} reached", MAX_DRYRUNS
+            continue
         if only is None:
             # A twin measured to fit proves what its estimate could not: the twin rules apply again.
             _prune_twins(results, fits, pending={id(result)})
             if result.reason is not None:
                 continue
-            # The estimate's error as the dry runs so far measured it: a candidate that cannot beat
-            # the best measured step is not dry-run (to_run is fastest estimate first).
+            # The estimate's error as the dry runs so far measured it: a candidate that cannot fit
+            # the budget, or cannot beat the best measured step, is not dry-run (fastest estimate first).
+            why = None if options.budget_is_device_memory else stop.check_fit(result, [r for _, r in results],
+                                                                                budget)
+            if why is not None:
+                result.reason, result.pruned_by = why, stop.CANNOT_FIT
+                continue
             why = stop.check(result, [r for _, r in results], global_batch)
             if why is not None:
                 result.reason, result.pruned_by = why, stop.CANNOT_WIN
@@ -377,8 +386,10 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
             result.reason = f"not dry-run: time_limit of {options.time_limit:g}s would be exceeded"
             result.pruned_by = TIME_LIMIT
             continue
-        bar = "#" * index + "-" * (len(to_run) - index)
-        _say(options, f"search [{bar}] {index}/{len(to_run)}: dry-running {' + '.join(strategy.opt_names) or '(plain)'}")
+        ran += 1
+        slots = min(options.max_dryruns, len(to_run) + len(reserve))
+        bar = "#" * ran + "-" * max(0, slots - ran)
+        _say(options, f"search [{bar}] {ran}/{slots}: dry-running {' + '.join(strategy.opt_names) or '(plain)'}")
         outcome = measure(strategy, result, options.timed_steps,
                           options.dryrun_timeout - estimate_seconds.get(id(strategy), 0.0), remaining)
         if outcome["reason"] is not None:

@@ -74,3 +74,16 @@ def test_the_slack_keeps_candidates_near_the_bound(slack):
     readings = [(0.02, 0.03), (0.02, 0.03)]
     assert stop.cannot_win(0.02 * 1.2, readings, 0.03) is None
     assert stop.cannot_win(0.02 / slack * 1.01, readings, 0.03) is not None
+
+
+def test_a_candidate_that_cannot_fit_the_budget_is_named_with_its_bound():
+    """The memory side: once two dry runs measured their peaks, a candidate whose estimated peak, at
+    the lowest measured / estimated seen less PEAK_SLACK, is over the budget is not dry-run (on
+    search_quality's boundary scenario 8 such runs took every slot and the one that fits never ran)."""
+    mib = 2**20
+    readings = [(6 * mib, int(6.3 * mib)), (5 * mib, int(5.4 * mib))]  # 1.05 and 1.08
+    why = stop.cannot_fit(6 * mib, readings, int(5.37 * mib))  # at least 6 x 1.05 x 0.9 = 5.67 MiB
+    assert why is not None and "5.67 MiB" in why and "5.37 MiB" in why
+    assert stop.cannot_fit(int(4.93 * mib), readings, int(5.37 * mib)) is None  # the one that fits: run it
+    assert stop.cannot_fit(int(5.5 * mib), readings, int(5.37 * mib)) is None  # within the slack: run it
+    assert stop.cannot_fit(6 * mib, readings[:1], int(5.37 * mib)) is None  # one reading says little
