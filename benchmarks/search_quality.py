@@ -47,15 +47,15 @@ tensor-best, 60 of 120 on pipeline-best, 132 of 396 on gpt2-tied, 198 of 396 on 
 cost (probes, the optimizer's step timed) and up to ``max_dryruns``=8 dry runs, fewer where the
 early stop says nothing left can win: a small space keeps the ratio high, since two dry runs are
 the least the early stop needs (mlp-heavy as one flat ``nn.Sequential``, 16 distinct candidates,
-read 0.27; as blocks, 138 distinct, 0.018).
+read 0.27; as blocks, 138 distinct, 0.033).
 
 Wall time on 2 shared cores with 4 ranks: ``--tiny --repeats 2 --steps 2`` takes about 8 minutes
 (exhaustive 34-92 s and search 8-19 s per scenario, plus start-up and timing); its figures only
 show that it runs (its estimates were 0.3-0.5 of the measured peaks while the dry runs counted
 the dataset a batch views, 2 MiB against a toy model's few hundred KiB; not re-measured since). At full size (2026-11-26) the exhaustive runs
-take 7 minutes on small and gpt2-tied, 10 on bert, 2 on tensor-best and pipeline-best (memory-bound,
-boundary and deep-narrow were not rerun with the larger space), and a scenario with its 5 searches
-and side-by-side timing 3-13 minutes; it is best run a scenario at a time (``--scenarios``, each with its own ``--out``). Before the search released each dry run's copy (2026-11-24), the
+take 5-6 minutes on small, memory-bound and boundary, 8-9 on bert and gpt2-tied, 5-10 on
+mlp-heavy, 22 on deep-narrow, 2 on tensor-best and pipeline-best, and a scenario with its 5
+searches and side-by-side timing 4-25 minutes; it is best run a scenario at a time (``--scenarios``, each with its own ``--out``). Before the search released each dry run's copy (2026-11-24), the
 exhaustive run of 64 candidates grew to 6 GB per rank and was killed for memory.
 """
 
