@@ -341,7 +341,7 @@ class StepCost:
         microbatches (bubble 0.75) measured 0.5-0.8 of an estimate with the whole bubble, and as
         fast as data=4."""
         shared = 1.0 if self.profile is None or self.device_type == "cuda" else self.profile.ranks_per_core
-        return max(1.0, (1 + self.bubble) / shared) if shared > 1 else 1 + self.bubble
+        return max(1.0, (1 + self.bubble) / shared)
 
     def data_sync_collectives(self) -> list[tuple[str, float, float]]:
         """The data-parallel sync per step as ``(kind, payload bytes, collectives)``: the tensors

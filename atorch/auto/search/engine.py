@@ -368,12 +368,12 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
                 continue
             # The estimate's error as the dry runs so far measured it: a candidate that cannot fit
             # the budget, or cannot beat the best measured step, is not dry-run (fastest estimate first).
-            why = None if options.budget_is_device_memory else stop.check_fit(result, [r for _, r in results],
-                                                                                budget)
+            so_far = [r for _, r in results]
+            why = None if options.budget_is_device_memory else stop.check_fit(result, so_far, budget)
             if why is not None:
                 result.reason, result.pruned_by = why, stop.CANNOT_FIT
                 continue
-            why = stop.check(result, [r for _, r in results], global_batch)
+            why = stop.check(result, so_far, global_batch)
             if why is not None:
                 result.reason, result.pruned_by = why, stop.CANNOT_WIN
                 stopped += 1

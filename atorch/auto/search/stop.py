@@ -28,15 +28,23 @@ PEAK_SLACK = 0.9
 CANNOT_FIT = "cannot_fit"
 
 
+def _lowest_bound(estimated: float | None, readings: list, slack: float) -> tuple[float, float | None]:
+    """The lowest measured / estimated ratio of ``readings`` and the least ``estimated`` can come
+    to at it less ``slack``: (0, None) with no estimate or fewer than MIN_MEASURED readings."""
+    if estimated is None or len(readings) < MIN_MEASURED:
+        return 0.0, None
+    low = min(measured / est for est, measured in readings if est > 0)
+    return low, estimated * low * slack
+
+
 def cannot_win(estimated: float | None, readings: list[tuple[float, float]], best_seconds: float | None) -> str | None:
     """Why a candidate estimated at ``estimated`` seconds a step cannot beat the best measured step
     (``best_seconds``, a candidate that fits), given ``readings`` of (estimated, measured) step
     seconds of the candidates measured so far; None when it may win (or too little is known)."""
-    if estimated is None or best_seconds is None or len(readings) < MIN_MEASURED:
+    if best_seconds is None:
         return None
-    low = min(measured / est for est, measured in readings if est > 0)
-    bound = estimated * low * STOP_SLACK
-    if bound <= best_seconds:
+    low, bound = _lowest_bound(estimated, readings, STOP_SLACK)
+    if bound is None or bound <= best_seconds:
         return None
     return (f"cannot win: estimated {estimated * 1e3:.1f} ms a step, so at least {bound * 1e3:.1f} ms at the lowest "
             f"measured / estimated ratio of the {len(readings)} dry runs ({low:.2f}, less {1 - STOP_SLACK:.0%}); "
@@ -53,11 +61,8 @@ def cannot_fit(estimated: int | None, readings: list[tuple[int, int]], budget: i
         >>> cannot_fit(100, [(100, 110), (100, 105)], 100) is None
         True
     """
-    if estimated is None or len(readings) < MIN_MEASURED:
-        return None
-    low = min(measured / est for est, measured in readings if est > 0)
-    bound = estimated * low * PEAK_SLACK
-    if bound <= budget:
+    low, bound = _lowest_bound(estimated, readings, PEAK_SLACK)
+    if bound is None or bound <= budget:
         return None
     mib = 2**20
     return (f"cannot fit: estimated peak {estimated / mib:.2f} MiB, so at least {bound / mib:.2f} MiB at the lowest "
