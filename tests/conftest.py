@@ -6,8 +6,12 @@ import os
 import pytest
 import torch.distributed as dist
 
-# Set by pytest itself, or by torch the first time inductor is imported (a cache location).
-_NOT_OURS = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+# Set by pytest itself, or by a library as it is first imported or first compiles: torch's
+# inductor (its cache folders; the ptxas it found, for Triton, seen on an H200 with torch 2.11)
+# and scikit-learn (its OpenMP settings, imported by transformers where it is installed: seen on
+# the GPU machine's image). None of them is atorch's to restore.
+_NOT_OURS = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_PTXAS_PATH",
+             "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK")
 
 
 def _env():

@@ -1,12 +1,17 @@
 """The CUDA tests' job: a small Llama (every Linear's dims multiples of 16, so fp8 can take them
 all) learning counting sequences on the GPU through auto_accelerate, with its losses.
 
-A run is compared with its reference (fp32, or eager) by :func:`assert_tracks`: the largest gap
-between the two loss curves is at most ``share`` of what the reference learned over the run
-(its first loss minus its last). A run that did not train (lr=0) is a whole drop away at the end,
-so any share below 1 tells it apart; a share set well below the effect under test is the check.
-The shares are first guesses, to be measured on the first GPU run (benchmarks/gpu): a failure
-prints the gap it saw.
+A run is compared with its reference (fp32, or eager) by :func:`assert_tracks`: the two loss
+curves, each averaged over windows of ``window`` steps (1: step by step; the lower precisions
+compare windows of WINDOW), are nowhere further apart than ``share`` of
+what the reference learned over the run (its first loss minus its last). A run that did not train
+(lr=0) is most of a drop away by the last window, so any share well below 1 tells it apart.
+
+Why windows: at this learning rate the last steps' losses swing from step to step (1.26, 1.38,
+1.50 in fp32), and a rounding difference moves a swing by a step. On the first GPU run (one H200,
+2026-11-26) bf16 amp's worst single step strayed 0.064 of the drop and fp16's 0.022, while their
+5-step windows strayed 0.022 and 0.005, and their first 10 steps 0.019 and 0.005. A failure prints
+both curves.
 """
 
 import torch
@@ -16,6 +21,7 @@ from atorch.auto import auto_accelerate
 from tests.helpers.models import linear_dtypes
 
 VOCAB, SEQ, BATCH, STEPS, LR = 128, 32, 8, 20, 1e-2
+WINDOW = 5  # steps a lower precision's loss curve is averaged over before it is compared (see above)
 
 
 def small_llama(hidden: int = 64, layers: int = 2, seq: int = SEQ, attention: str = "sdpa", seed: int = 0):
@@ -67,9 +73,19 @@ def _forever(loader):
         yield from loader
 
 
-def assert_tracks(actual: list[float], reference: list[float], share: float) -> None:
+def assert_tracks(actual: list[float], reference: list[float], share: float, window: int = 1) -> None:
     drop = reference[0] - reference[-1]
     assert drop > 1.0, f"the reference hardly trained ({reference[0]:.3f} -> {reference[-1]:.3f}): no effect to compare"
-    gap = max(abs(a - r) for a, r in zip(actual, reference, strict=True))
-    assert gap <= share * drop, (f"the run strays {gap:.4g} from its reference, {gap / drop:.3g} of the reference's "
-                                 f"drop {drop:.3f} (allowed {share})\nrun:       {actual}\nreference: {reference}")
+    gap = max(abs(a - r) for a, r in zip(windowed(actual, window), windowed(reference, window), strict=True))
+    assert gap <= share * drop, (f"the run's {window}-step means stray {gap:.4g} from its reference's, {gap / drop:.3g} "
+                                 f"of the reference's drop {drop:.3f} (allowed {share})\nrun:       {actual}\n"
+                                 f"reference: {reference}")
+
+
+def windowed(losses: list[float], window: int) -> list[float]:
+    """The means of consecutive windows of ``window`` losses (a shorter last one included).
+
+    >>> windowed([4.0, 2.0, 3.0, 1.0, 5.0], 2)
+    [3.0, 2.0, 5.0]
+    """
+    return [sum(losses[i:i + window]) / len(losses[i:i + window]) for i in range(0, len(losses), window)]

@@ -4,13 +4,14 @@ reference run of the same job (tests/cuda/job.py)."""
 import pytest
 import torch
 
-from tests.cuda.job import assert_tracks, train
+from tests.cuda.job import WINDOW, assert_tracks, train
 from tests.helpers.gpu import requires_gpu
 
 pytest.importorskip("transformers")
 
-# Shares of the reference's loss drop a run may stray (first guesses; see job.py). bf16 and fp16
-# round each matmul's inputs (8 and 11 significant bits); fp8's E4M3 keeps 4.
+# Shares of the reference's loss drop a run's WINDOW-step means may stray (job.py). bf16 and fp16
+# round each matmul's inputs (8 and 11 significant bits); fp8's E4M3 keeps 4. Measured on one
+# H200 (2026-11-26): bf16 0.022, fp16 0.005; fp8 not yet run (no transformer_engine there).
 BF16_SHARE, FP16_SHARE, FP8_SHARE = 0.05, 0.02, 0.15
 
 
@@ -19,7 +20,7 @@ def test_amp_bf16_computes_in_bf16_and_tracks_fp32():
     fp32, bf16 = train([]), train([("amp_native", "bf16")])
     assert bf16["dtypes"] == {torch.bfloat16} and fp32["dtypes"] == {torch.float32}
     assert bf16["losses"] != fp32["losses"]  # it did compute otherwise
-    assert_tracks(bf16["losses"], fp32["losses"], BF16_SHARE)
+    assert_tracks(bf16["losses"], fp32["losses"], BF16_SHARE, WINDOW)
 
 
 @requires_gpu()
@@ -29,7 +30,7 @@ def test_amp_fp16_scales_the_loss_and_tracks_fp32():
     assert fp16["dtypes"] == {torch.float16}
     assert optim.scaler is not None and optim.scaler.get_scale() > 1.0
     assert fp16["losses"] != fp32["losses"]
-    assert_tracks(fp16["losses"], fp32["losses"], FP16_SHARE)
+    assert_tracks(fp16["losses"], fp32["losses"], FP16_SHARE, WINDOW)
 
 
 @requires_gpu()
@@ -59,4 +60,4 @@ def test_fp8_runs_the_linears_in_transformer_engine_and_tracks_bf16():
     swapped = sum(isinstance(m, te.Linear) for m in fp8["result"].model.modules())
     assert swapped == 2 * 7 + 1  # q, k, v, o, gate, up, down in each of 2 layers, and the head
     assert fp8["losses"] != bf16["losses"]
-    assert_tracks(fp8["losses"], bf16["losses"], FP8_SHARE)
+    assert_tracks(fp8["losses"], bf16["losses"], FP8_SHARE, WINDOW)
