@@ -91,6 +91,9 @@ class StepCost:
     stepped: float = 0.0
     # of forward_flops, those in attention kernels (they run at the profile's attention rate)
     attention_flops: float = 0.0
+    # bytes one forward's operators without FLOPs read and write (ops.traffic), on the same batch
+    # as forward_flops: at the profile's memory_bandwidth
+    forward_traffic: float = 0.0
     # memory, bytes per rank (see the module docstring's formula)
     params: float = 0.0
     grads: float = 0.0
@@ -291,6 +294,7 @@ class StepCost:
         attention = min(self.attention_flops, self.forward_flops)
         compute = ((self.forward_flops - attention) / rate + attention / attention_rate) * self.passes \
             * self.compute_share
+        compute += self.traffic_seconds()
         # each operator's kernel costs the device a fixed time beyond its FLOPs (profile's kernel_seconds)
         op_passes = self.passes + self.recomputed_op_share
         launches = self.forward_ops * op_passes * self.op_share * self.accumulation
@@ -331,6 +335,15 @@ class StepCost:
                 comm += c.elements * element * c.factor / bandwidth + c.messages * self.accumulation * latency
         return compute * self.bubble_factor() + comm + self.stepped * self.optim_seconds_per_byte + (0.0 if on_device
                                                                                                  else host)
+
+    def traffic_seconds(self) -> float:
+        """Seconds the operators without FLOPs take at the profile's ``memory_bandwidth`` (0 without
+        one: a CPU's calibration fits them into its per-operator overhead instead): one forward's
+        bytes read and written, over each pass like the FLOPs."""
+        bandwidth = getattr(self.profile, "memory_bandwidth", 0.0)
+        if not bandwidth:
+            return 0.0
+        return self.forward_traffic * self.passes * self.compute_share / bandwidth
 
     def bubble_factor(self) -> float:
         """What a pipeline's bubble makes of a rank's compute: 1 + the bubble, or, on a CPU whose

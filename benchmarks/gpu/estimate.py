@@ -44,10 +44,13 @@ def estimate(size: llama.LlamaSize, feature: str, profile, device_type: str,
         with attention():
             saved = cost.activation_bytes(model, strategy, {"input_ids": ids, "labels": ids}, "unpack_dict", None,
                                           probe_ctx, counts)
-        flops, ops, _, hooked, _, attention_flops = counts
+        flops, ops, _, hooked, _, attention_flops, traffic = counts
+        # activations, FLOPs and traffic grow with the sequences of a batch; the operators a step
+        # dispatches and the tensors through checkpoints' hooks do not (one kernel takes the batch)
         b = size.batch
         step = cost.build_cost(model, strategy, {"data": 1}, ADAMW_STATE_FACTOR, saved * b, flops * b, b * size.seq,
-                               device_type, ops * b, optim_seconds_per_byte, (), hooked * b, (), attention_flops * b)
+                               device_type, ops, optim_seconds_per_byte, (), hooked, (), attention_flops * b,
+                               forward_traffic=traffic * b)
     step.profile = profile
     memory = step.memory()
     return {"step_s": step.seconds(), "peak_bytes": memory.total, "memory": memory.as_dict(),

@@ -50,8 +50,11 @@ MATMUL_SECONDS = 0.05
 # Tokens x hidden of the two MLP blocks whose step, in fp32 and under bf16 autocast, sets a CPU's
 # bf16 rate: the fp32 matmul rate x how much faster that step runs under autocast.
 AMP_BLOCK = (256, 256)
-# Batch, heads, sequence and head size of the causal attention timed per dtype on a CPU.
-ATTENTION_SHAPE = (4, 4, 128, 32)
+# Batch, heads, sequence and head size of the causal attention timed per dtype: a GPU's at a
+# training size (at the CPU's, an H200 would time the kernels' launches, not their work).
+ATTENTION_SHAPE = {"cpu": (4, 4, 128, 32), "cuda": (4, 16, 2048, 128)}
+# Bytes of the tensor copied, device to device, to time a GPU memory's bandwidth.
+COPY_BYTES = 2**30
 # Layers of the tiny model whose step measures the overhead per operator.
 OP_LAYERS = 16
 CHECKPOINT_BLOCK = 4  # layers per checkpointed block when timing checkpointing's overhead
@@ -167,7 +170,7 @@ def measure(device: torch.device) -> dict:
     setting = _setting(device)
     local = setting["local_world_size"]
     matmul = {"fp32": _matmul_rate(device, torch.float32), "bf16": _matmul_rate(device, torch.bfloat16)}
-    attention, cpu_rates = {}, {}
+    cpu_rates = {}
     if device.type == "cpu":
         # On a CPU autocast's casts and its bf16 elementwise operators can eat what the faster
         # matmuls save: on an EPYC with bf16 instructions a square bf16 matmul ran 4.3x the fp32
@@ -175,9 +178,12 @@ def measure(device: torch.device) -> dict:
         # had put them 38% faster, and ranked them first). A model's step decides instead.
         cpu_rates["autocast_step_speedup"] = _autocast_speedup(device)
         matmul["bf16"] = min(matmul["bf16"], matmul["fp32"] * cpu_rates["autocast_step_speedup"])
-        # Attention kernels run at rates of their own: bf16 flash attention's backward ran 5x
-        # slower than fp32's on that EPYC, and made a small Llama's amp step slower than fp32's.
-        attention = {"fp32": _attention_rate(device, torch.float32), "bf16": _attention_rate(device, torch.bfloat16)}
+    # Attention kernels run at rates of their own: bf16 flash attention's backward ran 5x slower
+    # than fp32's on an EPYC, and made a small Llama's amp step slower than fp32's; a GPU's flash
+    # kernels run below its matmul rate too.
+    attention = {"fp32": _attention_rate(device, torch.float32), "bf16": _attention_rate(device, torch.bfloat16)}
+    # the element-wise operators' rate on a GPU (a CPU's calibrated op_seconds takes them in)
+    bandwidth = {"memory_bandwidth": _memory_bandwidth(device)} if device.type == "cuda" else {}
     op_seconds = _op_seconds(device)
     checkpoint_save_seconds = _checkpoint_save_seconds(device, op_seconds)
     collectives: dict = {kind: {} for kind in KINDS}
@@ -202,9 +208,12 @@ def measure(device: torch.device) -> dict:
                                f"one takes over {MATMUL_SECONDS}s), median of {REPEATS}, the slowest rank's{bf16}",
                "sustained_fraction": "1: the matmul rates are measured, already sustained",
                "attention_flops": f"{how}: forward + backward of causal scaled_dot_product_attention on "
-                                  f"{ATTENTION_SHAPE} (batch, heads, sequence, head size), its forward's FLOPs as "
-                                  f"the probe counts them x 3 over the time, median of {REPEATS}, the slowest rank's"
-               if device.type == "cpu" else "none: attention at the matmul rate",
+                                  f"{_attention_shape(device)} (batch, heads, sequence, head size), its forward's "
+                                  f"FLOPs as the probe counts them x 3 over the time, median of {REPEATS}, the "
+                                  "slowest rank's",
+               **({"memory_bandwidth": f"{how}: a {COPY_BYTES} byte tensor copied on the device, bytes read + "
+                                       f"written over the time, median of {REPEATS}, the slowest rank's"}
+                  if device.type == "cuda" else {}),
                "op_seconds": f"{how}: forward + backward of {OP_LAYERS} tiny Linear + ReLU layers on one sample, "
                              f"over 3 x the operators its forward dispatches, median of {REPEATS}, the slowest rank's",
                "checkpoint_save_seconds": f"{how}: the same layers in blocks of {CHECKPOINT_BLOCK}, each "
@@ -240,7 +249,8 @@ def measure(device: torch.device) -> dict:
         "op_seconds": op_seconds,
         "checkpoint_save_seconds": checkpoint_save_seconds,
         "wrapped_call_seconds": wrapped_call_seconds,
-        **({"attention_flops": attention} if attention else {}),
+        "attention_flops": attention,
+        **bandwidth,
         **({"ranks_per_core": _ranks_per_core(setting)} if device.type == "cpu" else {}),
         "attention": "flash" if device.type == "cuda" else "math",
         "calibration": {"device": device_name(device), "world_size": world, **setting, "when": when,
@@ -320,7 +330,7 @@ def _attention_rate(device: torch.device, dtype: torch.dtype) -> float:
     from atorch.auto.search.ops import OpCounter
 
     generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(*ATTENTION_SHAPE, generator=generator).to(device, dtype).requires_grad_()
+    q, k, v = (torch.randn(*_attention_shape(device), generator=generator).to(device, dtype).requires_grad_()
                for _ in range(3))
 
     def forward():
@@ -329,6 +339,18 @@ def _attention_rate(device: torch.device, dtype: torch.dtype) -> float:
     with OpCounter() as counter:
         forward()
     return 3 * counter.flops / median_seconds(device, lambda: forward().sum().backward())
+
+
+def _attention_shape(device: torch.device) -> tuple:
+    return ATTENTION_SHAPE.get(device.type, ATTENTION_SHAPE["cpu"])
+
+
+def _memory_bandwidth(device: torch.device) -> float:
+    """Bytes/s the device's memory moves, read + written, copying a COPY_BYTES tensor."""
+    source = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    seconds = median_seconds(device, lambda: target.copy_(source))
+    return 2 * COPY_BYTES / seconds
 
 
 def _autocast_speedup(device: torch.device) -> float:

@@ -91,7 +91,10 @@ def optimizer_state_factor(optim_func, optim_args: dict) -> float:
     return state / (param.numel() * param.element_size())
 
 
-OPTIMIZER_PROBE_ELEMENTS = (2**18, 2**21)  # fp32 elements of the two parameters whose steps are timed
+# fp32 elements of the two parameters whose steps are timed. A GPU's are larger: at 1 and 8 MiB an
+# H200's AdamW step is its launches, and the slope read 2.6e-11 s a byte, 15x what the memory's
+# bandwidth takes (a 1.1B Llama's step estimated 114 ms of optimizer in a 195 ms step).
+OPTIMIZER_PROBE_ELEMENTS = {"cpu": (2**18, 2**21), "cuda": (2**22, 2**25)}
 # Timed steps of each, after the step that creates the state (which warms it up): every search
 # pays for them, 0.21-0.30 s of search_quality's tensor-best search with 5 and a warm-up step more.
 OPTIMIZER_REPEATS = 5
@@ -99,18 +102,20 @@ OPTIMIZER_REPEATS = 5
 
 def optimizer_seconds_per_byte(optim_func, optim_args: dict, device: torch.device) -> float:
     """Seconds the optimizer's step takes per byte of fp32 parameter it updates, timed on this
-    device: the slope between the steps of a 1 MiB and an 8 MiB parameter (each the fastest of
-    OPTIMIZER_REPEATS, every rank stepping at once, the slowest rank's, after the step that creates the state), so a fixed cost per step (a GPU's launches) is not
-    scaled up with the model. 0 when it cannot be timed (no optimizer, or one that needs more
-    than parameters and a gradient)."""
+    device: the slope between the steps of two parameters (OPTIMIZER_PROBE_ELEMENTS: 1 and 8 MiB on
+    a CPU, 16 and 128 MiB on a GPU; each the fastest of OPTIMIZER_REPEATS, every rank stepping at
+    once, the slowest rank's, after the step that creates the state), so a fixed cost per step (a
+    GPU's launches) is not scaled up with the model. 0 when it cannot be timed (no optimizer, or
+    one that needs more than parameters and a gradient)."""
     if optim_func is None:
         return 0.0
     try:
-        seconds = [_optimizer_step_seconds(optim_func, optim_args, device, n) for n in OPTIMIZER_PROBE_ELEMENTS]
+        sizes = OPTIMIZER_PROBE_ELEMENTS.get(device.type, OPTIMIZER_PROBE_ELEMENTS["cpu"])
+        seconds = [_optimizer_step_seconds(optim_func, optim_args, device, n) for n in sizes]
     except Exception as error:  # noqa: BLE001 - an optimizer this cannot step is simply not timed
         logger.debug("optimizer step not timed: %s", error)
         return 0.0
-    small, large = (4 * n for n in OPTIMIZER_PROBE_ELEMENTS)
+    small, large = (4 * n for n in sizes)
     slope = (seconds[1] - seconds[0]) / (large - small)
     return slope if slope > 0 else seconds[1] / large  # noisy timings: the large step's mean
 
@@ -261,6 +266,7 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
         checkpointed = sum(isinstance(m.__dict__.get("forward"), CheckpointedForward) for m in probe.modules())
         # the weights as the rewrites left them: what autograd saves of them is not an activation
         counter = _SavedBytes(itertools.chain(ctx.model.parameters(), ctx.model.buffers()))
+        op_counter.weights = counter.weights  # their casts join it as they are made (_WeightCasts)
         on_meta = any(p.is_meta for p in probe.parameters())
         if not on_meta:  # a plan on the meta device keeps its meta inputs
             batch = ctx.prepare_input(batch, device_ctx.device)
@@ -302,7 +308,7 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
         free_copy(probe)
     if counts is not None:
         counts.extend([op_counter.flops, op_counter.count, profile, counter.packed, spans,
-                       op_counter.attention_flops])
+                       op_counter.attention_flops, op_counter.traffic])
     saved = counter.by_dtype
     if on_meta:
         # Meta tensors show what a method does to shapes, not to dtypes (autocast does nothing on
@@ -441,7 +447,7 @@ def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, mod
     counted: list = []
     saved, checkpointed = _probe(memo, model, strategy, batch, model_input_format, loss_func, device_ctx,
                                  PROBED_STAGES, counted)
-    flops, ops, (reference, profile), packed, spans, attention = counted
+    flops, ops, (reference, profile), packed, spans, attention, traffic = counted
     hooked = 0
     if checkpointed:
         plain: list = []
@@ -456,7 +462,7 @@ def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, mod
     if profile:
         saved = reference
     if counts is not None:
-        counts.extend([flops, ops, profile, hooked, spans, attention])
+        counts.extend([flops, ops, profile, hooked, spans, attention, traffic])
     return saved
 
 
@@ -464,7 +470,7 @@ def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int],
                activations: int, forward_flops: float = 0.0, tokens: int = 0, device_type: str = "cpu",
                forward_ops: float = 0.0, optim_seconds_per_byte: float = 0.0,
                activation_profile: tuple = (), checkpointed_saves: float = 0.0, unit_spans: tuple = (),
-               attention_flops: float = 0.0, accumulation: int = 1) -> StepCost:
+               attention_flops: float = 0.0, accumulation: int = 1, forward_traffic: float = 0.0) -> StepCost:
     """The candidate's :class:`StepCost`: the whole model's terms, then each method's ``cost_term``
     (``accumulation``: see StepCost.accumulation)."""
     cost = StepCost(model, dict(dims), state_factor, device_type, forward_flops, tokens,
@@ -485,6 +491,7 @@ def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int],
     cost.checkpointed_saves = checkpointed_saves
     cost.unit_spans = tuple(unit_spans)
     cost.attention_flops = attention_flops
+    cost.forward_traffic = forward_traffic
     cost.charge("step")  # the training step's own host overhead (StepCost.overheads)
     for name, config in strategy.items():
         term = get_method(name).cost_term

@@ -113,10 +113,12 @@ def cost_candidate(model, strategy, dims, state_factor, probe, device_type: str 
         counts: list = []
         activations, tokens = probe(strategy, counts, dims)
         # FLOPs, operators, activation profile, tensors through checkpoints, units' spans, FLOPs in
-        # attention; a probe may count only the FLOPs (atorch plan --search)
-        flops, ops, profile, hooked, spans, attention = counts + [0.0, 0.0, (), 0, (), 0.0][len(counts):]
+        # attention, elements element-wise operators move; a probe may count only the FLOPs (atorch
+        # plan --search)
+        flops, ops, profile, hooked, spans, attention, traffic = (
+            counts + [0.0, 0.0, (), 0, (), 0.0, 0.0][len(counts):])
         return cost.build_cost(model, strategy, dims, state_factor, activations, flops, tokens, device_type, ops,
-                               optim_seconds_per_byte, profile, hooked, spans, attention, accumulation), None
+                               optim_seconds_per_byte, profile, hooked, spans, attention, accumulation, traffic), None
     except Exception as error:  # noqa: BLE001
         logger.debug("no estimate for %s: %s", strategy.opt_names, error)
         return None, None
@@ -221,9 +223,10 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
         with quiet():
             saved = cost.activation_bytes(model, strategy, batch, probe_ctx.model_input_format, probe_ctx.loss_func,
                                           device_ctx, counted, memo=probes)
-        # then operators, profile and spans (shares), hooked tensors: per step; FLOPs scale with the batch
-        flops, *rest, attention = counted
-        counts.extend([flops * scale, *rest, attention * scale])
+        # then operators, profile and spans (shares), hooked tensors: per step; FLOPs and the elements
+        # element-wise operators move scale with the batch
+        flops, *rest, attention, traffic = counted
+        counts.extend([flops * scale, *rest, attention * scale, traffic * scale])
         return int(saved * scale), tokens
 
     budget, ratio = options.memory_budget, options.estimate_ratio

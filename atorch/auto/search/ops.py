@@ -10,6 +10,7 @@ a 4-block Llama (a search probes every method combination). The totals are the s
 
 import functools
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -42,13 +43,17 @@ def _formulas() -> tuple[dict, frozenset]:
 class OpCounter(TorchDispatchMode):
     """``with OpCounter() as ops: model(x)``; then ``ops.count``: the aten operators dispatched,
     ``ops.flops``: their FLOPs, ``ops.attention_flops``: those of attention kernels
-    (scaled_dot_product_attention's)."""
+    (scaled_dot_product_attention's), ``ops.traffic``: the bytes the operators without a FLOP
+    formula read and write (see :func:`traffic`; ``weights``: storage keys of the tensors that are
+    not the batch's, as :class:`atorch.auto.search.cost._SavedBytes` keeps them)."""
 
-    def __init__(self):
+    def __init__(self, weights: set | None = None):
         super().__init__()
         self.count = 0
         self.flops = 0
         self.attention_flops = 0
+        self.traffic = 0
+        self.weights = set() if weights is None else weights
         self._formulas, self._attention = _formulas()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -62,4 +67,44 @@ class OpCounter(TorchDispatchMode):
             self.flops += flops
             if op in self._attention:
                 self.attention_flops += flops
+        else:
+            self.traffic += traffic(func, (args, kwargs), out, self.weights)
         return out
+
+
+def traffic(func, inputs, out, weights: set) -> int:
+    """Bytes an operator without FLOPs (element-wise, a normalization, a reduction, a softmax, a
+    gather) reads and writes: its tensor inputs' and outputs', in their dtypes. On a GPU such
+    kernels run at the memory's bandwidth, not the matmul rate (StepCost.traffic_seconds). On meta
+    tensors autocast does nothing and every tensor is the model's dtype: right for a Hugging Face
+    Llama's residual stream and norms, which stay fp32 under amp, twice the bytes of its bf16 MLP
+    activations. Not counted: a view or alias of an
+    input (no data moves; an in-place operator does count), a weight's elements (a gather reads the
+    rows it returns, counted as its output), and an operator on weights alone (autocast's cast of a
+    weight: once a step, not once a sample).
+
+    >>> import torch
+    >>> x, w = torch.ones(4, 8), torch.ones(8)
+    >>> keys = {w.untyped_storage()._cdata}
+    >>> traffic(torch.ops.aten.mul.Tensor, ((x, w), {}), x * w, keys)  # reads x, writes x's shape, fp32
+    256
+    >>> traffic(torch.ops.aten.view.default, ((x, [32]), {}), x.view(32), keys)
+    0
+    >>> traffic(torch.ops.aten._to_copy.default, ((w,), {}), w.half(), keys)
+    0
+    """
+    from torch.utils._pytree import tree_leaves
+
+    tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+    outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    keys = [_key(t) for t in tensors]
+    read = [t for t, key in zip(tensors, keys, strict=True) if key not in weights]
+    if not read:
+        return 0
+    if not func._schema.is_mutable and any(_key(t) in keys for t in outputs):
+        return 0
+    return sum(t.numel() * t.element_size() for t in (*read, *outputs))
+
+
+def _key(tensor) -> int:
+    return tensor.untyped_storage()._cdata

@@ -119,7 +119,7 @@ def test_the_probe_measures_the_model_output_a_pipeline_schedule_holds():
     counts: list = []
     reference = cost.activation_bytes(model, resolve_strategy(model, Strategy([("parallel_mode", {})])), batch,
                                       "unpack_dict", lm_loss, DeviceContext.detect(), counts)
-    spans = counts[4]  # flops, operators, profile, hooked tensors, spans, attention FLOPs
+    spans = counts[4]  # flops, operators, profile, hooked tensors, spans, attention FLOPs, traffic
     assert [s.name for s in spans] == ["embed", "blocks.0", "blocks.1", "head"]
     logits = batch["input_ids"].numel() * VOCAB * 4
     assert spans[-1].output * reference == pytest.approx(logits)

@@ -82,6 +82,11 @@ class HardwareProfile:
     # device seconds each dispatched operator costs beyond its FLOPs (a kernel's launch and tail):
     # what makes small micro-batches and narrow models fill the GPU less; 0 when absent
     kernel_seconds: float = 0.0
+    # bytes/s the device's memory moves (read + written) for the operators without FLOPs
+    # (element-wise, normalizations, softmax; StepCost.traffic_seconds): a datasheet's HBM rate, or
+    # measured by calibration on a GPU; 0 (absent) charges them nothing, as on a CPU, whose
+    # calibrated per-operator overhead takes them in
+    memory_bandwidth: float = 0.0
     # host seconds of each method's overhead per unit it charges (StepCost.overheads; "step": the
     # training step's own, charged once a step to every candidate): measured by calibration as what
     # dry runs of a small model take beyond the rest of the estimate; empty in a datasheet profile
@@ -153,6 +158,13 @@ def _ranks_per_core(data: dict, path: Path) -> float:
     return value
 
 
+def _memory_bandwidth(data: dict, path: Path) -> float:
+    value = float(data.get("memory_bandwidth", 0.0))
+    if not (math.isfinite(value) and value >= 0):
+        raise UnknownProfileError(f"hardware profile {path}: memory_bandwidth is bytes/s, not negative (0: none)")
+    return value
+
+
 def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwareProfile:
     """A :class:`HardwareProfile` from a profile's JSON data, checked (``origin`` names it in errors)."""
     from atorch.auto.search.cost import parse_bytes
@@ -205,6 +217,7 @@ def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwarePro
         attention_flops=attention,
         nics_per_node=int(data.get("nics_per_node", 1)),
         kernel_seconds=float(data.get("kernel_seconds", 0.0)),
+        memory_bandwidth=_memory_bandwidth(data, path),
         method_seconds=methods,
         ranks_per_core=_ranks_per_core(data, path),
         **host,
