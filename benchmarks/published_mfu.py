@@ -66,6 +66,14 @@ def mpt_as_llama(size: str, seq: int):
 
 
 def estimated_mfu(point, profile) -> dict:
+    step = costed(point, profile)
+    step.profile = profile
+    return mfu_row(point, step.seconds())
+
+
+def costed(point, profile):
+    """The point's one-microbatch step as the cost model builds it (its ``profile`` still to set:
+    benchmarks/fit_h100_profile.py prices the same steps at many)."""
     from atorch.auto.environment import DeviceContext
     from atorch.auto.plan import resolve_strategy
     from atorch.auto.search import cost
@@ -84,11 +92,17 @@ def estimated_mfu(point, profile) -> dict:
         with FlashAttentionProbe():
             saved = cost.activation_bytes(model, strategy, {"input_ids": ids, "labels": ids}, "unpack_dict", None, ctx,
                                           counts)
-        flops, ops, _, hooked, _, attention = counts
+        flops, ops, _, hooked, _, attention, traffic = counts
+        # per sequence: activations, FLOPs, traffic; per step: operators, tensors through hooks
         step = cost.build_cost(model, strategy, {"data": gpus}, 2.0, saved * micro, flops * micro, micro * seq, "cuda",
-                               ops * micro, 0.0, (), hooked * micro, (), attention * micro)
-    step.profile = profile
-    tokens_per_s = micro * seq * gpus / step.seconds()
+                               ops, 0.0, (), hooked, (), attention * micro, forward_traffic=traffic * micro)
+    return step
+
+
+def mfu_row(point, seconds: float) -> dict:
+    """The point's estimated MFU, under llm-foundry's convention, for a step of ``seconds``."""
+    size, seq, gpus, micro, checkpoint, published, params = point
+    tokens_per_s = micro * seq * gpus / seconds
     d_model, layers, _ = MPT[size]
     model_flops = 6 * params + 3 * layers * 2 * 2 * d_model * seq  # per token, llm-foundry's MFU convention
     mfu = model_flops * tokens_per_s / (gpus * PEAK)

@@ -64,24 +64,27 @@ def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, st
     attention = FlashAttentionProbe if profile.attention == "flash" else nullcontext
     probes: dict = {}  # cost._probe's memo: one probe per distinct set of applied methods
 
-    def probe_one(strategy) -> tuple[int, float]:
-        flops: list = []
+    def probe_one(strategy) -> tuple[int, list]:
+        counted: list = []
         before = len(probes)
         with attention(), quiet():
-            saved = cost.activation_bytes(model, strategy, batch, "unpack_dict", None, probe_ctx, flops, memo=probes)
+            saved = cost.activation_bytes(model, strategy, batch, "unpack_dict", None, probe_ctx, counted, memo=probes)
         if len(probes) > before:
             _progress(f"  probed activations of one sequence under: {', '.join(strategy.opt_names) or 'no method'}")
-        return saved, flops[0] if flops else 0.0
+        return saved, counted
 
     def probe_for(accumulation: int):
-        def probe(strategy, flops: list, dims: dict) -> tuple[int, int]:
+        def probe(strategy, counts: list, dims: dict) -> tuple[int, int]:
             per_rank = global_batch // data_parallel_size(dims)
-            saved, forward = probe_one(strategy)
-            flops.append(forward * per_rank)
+            saved, (flops, ops, profile, hooked, spans, attention, traffic) = probe_one(strategy)
+            # FLOPs, attention's and the element-wise operators' bytes: the step's sequences; the
+            # operators and the tensors through checkpoints' hooks: one micro-batch's (one kernel
+            # takes its sequences; StepCost repeats them per micro-batch)
+            counts.extend([flops * per_rank, ops, profile, hooked, spans, attention * per_rank, traffic * per_rank])
             return saved * (per_rank // accumulation), per_rank * seq_len  # one micro-batch's activations
         return probe
 
-    _, forward = probe_one(Strategy())
+    _, (forward, *_) = probe_one(Strategy())
     flops_per_token = 3 * forward / seq_len  # forward + backward, no recomputation: model FLOPs
     counts: Counter = Counter()
     layouts, ineligible = layout_space(model, device_ctx, global_batch, "unpack_dict", list(excluded))

@@ -12,6 +12,8 @@ from benchmarks.gpu import llama
 
 # AdamW keeps two fp32 moments a parameter
 ADAMW_STATE_FACTOR = 2.0
+# NVIDIA H200 datasheet: GPU memory bandwidth 4.8 TB/s (https://www.nvidia.com/en-us/data-center/h200/)
+H200_BANDWIDTH = 4.8e12
 # What the cost model has no term for: the estimate would be the bf16 one under another name.
 NOT_MODELLED = {"compile": "the cost model has no term for torch.compile's fusions (it would read as bf16's)",
                 "fp8": "the cost model has no fp8 term (atorch plan leaves fp8 out too)"}
@@ -21,6 +23,17 @@ def estimate(size: llama.LlamaSize, feature: str, profile, device_type: str,
              optim_seconds_per_byte: float = 0.0) -> dict:
     """``{"step_s", "peak_bytes", "memory"}`` of ``feature``'s strategy for ``size``, or
     ``{"skipped": why}``."""
+    if feature in NOT_MODELLED:
+        return {"skipped": NOT_MODELLED[feature]}
+    step = costed(size, feature, profile, device_type, optim_seconds_per_byte)
+    step.profile = profile
+    memory = step.memory()
+    return {"step_s": step.seconds(), "peak_bytes": memory.total, "memory": memory.as_dict(),
+            "strategy": list(step.methods)}
+
+
+def costed(size: llama.LlamaSize, feature: str, profile, device_type: str, optim_seconds_per_byte: float = 0.0):
+    """The StepCost of ``feature``'s strategy for ``size`` (its ``profile`` still to set)."""
     from transformers import LlamaForCausalLM
 
     from atorch.auto.environment import DeviceContext
@@ -30,8 +43,6 @@ def estimate(size: llama.LlamaSize, feature: str, profile, device_type: str,
     from atorch.auto.strategy import Strategy
     from atorch.utils.log import quiet
 
-    if feature in NOT_MODELLED:
-        return {"skipped": NOT_MODELLED[feature]}
     with torch.device("meta"):
         model = LlamaForCausalLM(llama.config(size))
     # the probe runs the module rewrites as on a CPU, its tensors on meta (as atorch plan does)
@@ -51,18 +62,17 @@ def estimate(size: llama.LlamaSize, feature: str, profile, device_type: str,
         step = cost.build_cost(model, strategy, {"data": 1}, ADAMW_STATE_FACTOR, saved * b, flops * b, b * size.seq,
                                device_type, ops, optim_seconds_per_byte, (), hooked, (), attention_flops * b,
                                forward_traffic=traffic * b)
-    step.profile = profile
-    memory = step.memory()
-    return {"step_s": step.seconds(), "peak_bytes": memory.total, "memory": memory.as_dict(),
-            "strategy": strategy.opt_names}
+    return step
 
 
 def datasheet_profile(device_name: str):
     """The repository's profile for this GPU and where its peak comes from, or (None, why).
 
     H100 SXM: atorch/auto/search/profiles/h100_80gb.json. H200 has the H100 SXM's compute (NVIDIA's
-    H200 datasheet lists the same tensor-core FLOPS) with more, faster memory: its bf16 peak is that
-    profile's; its memory is this device's, set by the caller's measurement, not the profile's."""
+    H200 datasheet lists the same tensor-core FLOPS) with more, faster memory: that profile with
+    the H200's memory bandwidth (H200_BANDWIDTH); its memory's size is not what is compared."""
+    import dataclasses
+
     from atorch.auto.search.profiles import load_profile
 
     name = device_name.lower()
@@ -70,7 +80,8 @@ def datasheet_profile(device_name: str):
         profile = load_profile("h100_80gb")
         source = profile.sources["matmul_flops.bf16"]
         if "h200" in name:
+            profile = dataclasses.replace(profile, memory_bandwidth=H200_BANDWIDTH)
             source = ("NVIDIA H200 datasheet (https://www.nvidia.com/en-us/data-center/h200/): the H100 SXM's "
-                      "tensor-core FLOPS; taken from the h100_80gb profile: " + source)
+                      "tensor-core FLOPS, 4.8 TB/s of memory bandwidth; taken from the h100_80gb profile: " + source)
         return profile, source
     return None, f"no hardware profile in atorch/auto/search/profiles for {device_name!r}"

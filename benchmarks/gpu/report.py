@@ -78,8 +78,10 @@ def build(state, all_units) -> dict:
             "started": state.data["started"], "dry": config["dry"], "config": config, "complete": not pending,
             "pending": pending, "problems": problems, "units": statuses, "tests": tests,
             "calibration": calibration and {k: calibration[k] for k in ("path", "command")} | {
-                k: calibration["profile"].get(k) for k in ("matmul_flops", "op_seconds", "memory", "collectives")},
+                k: calibration["profile"].get(k) for k in ("matmul_flops", "attention_flops", "memory_bandwidth",
+                                                           "op_seconds", "memory", "collectives")},
             "peak_flops": peak, "peak_source": peak_source, "bench": bench, "estimates": estimates,
+            "optimizer_seconds_per_byte": estimated.get("optimizer_seconds_per_byte"),
             "state": str(state.path)}
 
 
@@ -146,6 +148,9 @@ def markdown(report: dict) -> str:
         flops = report["calibration"]["matmul_flops"]
         lines += ["", f"Calibration ({report['calibration']['command']}): matmul "
                       + ", ".join(f"{k} {_rate(v)}" for k, v in flops.items())
+                      + "; attention " + ", ".join(f"{k} {_rate(v)}" for k, v in
+                                                  (report["calibration"].get("attention_flops") or {}).items())
+                      + f"; memory {(report['calibration'].get('memory_bandwidth') or 0) / 1e12:.2f} TB/s"
                       + f", {(report['calibration']['op_seconds'] or 0) * 1e6:.1f} us an operator."]
     lines += ["", "## Units", "", table(["unit", "status", "seconds", "note"],
                                         [[u["unit"], u["status"], _fmt(u["seconds"], ".0f"), u["note"]]
