@@ -61,7 +61,7 @@ def test_benchmarks_page_quotes_its_results_files():
     page = ROOT / "docs" / "benchmarks.md"
     checked = 0
     for name, text in _sections(page).items():
-        sources = [ROOT / "benchmarks" / "results" / m for m in re.findall(r"\.\./benchmarks/results/([\w.]+)\)", text)]
+        sources = [ROOT / "benchmarks" / "results" / m for m in re.findall(r"\.\./benchmarks/results/([\w.-]+)\)", text)]
         quoted = [line for line in _quoted(text) if not _table_header(line)]
         if not quoted:
             continue
@@ -85,7 +85,7 @@ def test_benchmarks_page_is_reference_not_history():
 
 
 # Pages that quote benchmark figures beside docs/benchmarks.md (checked above).
-QUOTING_PAGES = ("cli.md", "compression.md", "integrations.md", "pipeline.md", "zero_profile.md")
+QUOTING_PAGES = ("cli.md", "compression.md", "gpu_check.md", "integrations.md", "pipeline.md", "zero_profile.md")
 
 
 def _quoted_rows_missing(page: Path) -> tuple[int, list[str]]:
@@ -95,7 +95,7 @@ def _quoted_rows_missing(page: Path) -> tuple[int, list[str]]:
 
     checked, missing = 0, []
     for name, text in _sections(page).items():
-        sources = re.findall(r"\]\((?:\.\./)+benchmarks/results/([\w.]+\.md)\)", text)
+        sources = re.findall(r"\]\((?:\.\./)+benchmarks/results/([\w.-]+\.md)\)", text)
         if not sources:
             continue
         lines = {line.strip() for s in sources for line in (ROOT / "benchmarks" / "results" / s).read_text().splitlines()}
