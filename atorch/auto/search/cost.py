@@ -266,7 +266,10 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
         checkpointed = sum(isinstance(m.__dict__.get("forward"), CheckpointedForward) for m in probe.modules())
         # the weights as the rewrites left them: what autograd saves of them is not an activation
         counter = _SavedBytes(itertools.chain(ctx.model.parameters(), ctx.model.buffers()))
-        op_counter.weights = counter.weights  # their casts join it as they are made (_WeightCasts)
+        # the parameters and buffers alone, alive through the probe: a cast of one (which joins
+        # counter.weights) may be freed and its address reused by an activation, which would then
+        # go uncounted in one run and counted in the next (two ranks' probes disagreed)
+        op_counter.weights = set(counter.weights)
         on_meta = any(p.is_meta for p in probe.parameters())
         if not on_meta:  # a plan on the meta device keeps its meta inputs
             batch = ctx.prepare_input(batch, device_ctx.device)
