@@ -271,6 +271,8 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
         # go uncounted in one run and counted in the next (two ranks' probes disagreed)
         op_counter.weights = set(counter.weights)
         on_meta = any(p.is_meta for p in probe.parameters())
+        # a CPU's profiles have no memory bandwidth to charge it at (StepCost.traffic_seconds)
+        op_counter.count_traffic = on_meta or device_ctx.device.type != "cpu"
         if not on_meta:  # a plan on the meta device keeps its meta inputs
             batch = ctx.prepare_input(batch, device_ctx.device)
         timeline, forward_end, loss = StepTimeline(probe), 0, None

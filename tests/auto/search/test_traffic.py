@@ -17,9 +17,12 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16), torch.nn.GELU())
 
 
-def _probe(model, batch) -> list:
+def _probe(model, batch, device: str = "meta") -> list:
+    """The probe's counts on ``device`` (meta: as atorch plan and the GPU check probe; a CPU's real
+    tensors count no traffic, its profiles charging none)."""
     counts: list = []
-    cost.activation_bytes(model, Strategy([("parallel_mode", {})]), batch, None, None, DeviceContext.detect(), counts)
+    cost.activation_bytes(model.to(device), Strategy([("parallel_mode", {})]), batch.to(device), None, None,
+                          DeviceContext.detect(), counts)
     return counts
 
 
@@ -28,6 +31,7 @@ def test_the_probe_counts_what_element_wise_operators_read_and_write():
     # ReLU reads and writes 2 x 32 fp32, GELU 2 x 16; the Linears' matmuls have FLOPs, their
     # weights' transposes are views
     assert traffic == 4 * (2 * (2 * 32) + 2 * (2 * 16))
+    assert _probe(_model(), torch.randn(2, 16), "cpu")[6] == 0  # not counted where nothing charges it
 
 
 def test_the_traffic_grows_with_the_batch_and_a_weight_is_not_counted():
@@ -38,7 +42,7 @@ def test_the_traffic_grows_with_the_batch_and_a_weight_is_not_counted():
     norm = torch.nn.Sequential(torch.nn.LayerNorm(16))
     assert _probe(norm, torch.randn(2, 16))[6] == 4 * (2 * 16 + 2 * 16 + 2 + 2)
     half = _probe(norm.to(torch.bfloat16), torch.randn(2, 16, dtype=torch.bfloat16))[6]
-    assert half == 2 * (2 * 16 + 2 * 16 + 2 + 2)  # in its tensors' dtype: bf16, half the bytes
+    assert half == 2 * (2 * 16 + 2 * 16) + 4 * (2 + 2)  # in its tensors' dtypes: bf16, its statistics fp32
 
 
 def _step(traffic: float, checkpoint: bool = False):
