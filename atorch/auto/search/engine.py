@@ -113,8 +113,7 @@ def cost_candidate(model, strategy, dims, state_factor, probe, device_type: str 
         counts: list = []
         activations, tokens = probe(strategy, counts, dims)
         # FLOPs, operators, activation profile, tensors through checkpoints, units' spans, FLOPs in
-        # attention, elements element-wise operators move; a probe may count only the FLOPs (atorch
-        # plan --search)
+        # attention, bytes the operators without FLOPs move; a probe may count only the FLOPs
         flops, ops, profile, hooked, spans, attention, traffic = (
             counts + [0.0, 0.0, (), 0, (), 0.0, 0.0][len(counts):])
         return cost.build_cost(model, strategy, dims, state_factor, activations, flops, tokens, device_type, ops,

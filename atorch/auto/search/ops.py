@@ -81,10 +81,9 @@ def traffic(func, inputs, out, weights: set) -> int:
     kernels run at the memory's bandwidth, not the matmul rate (StepCost.traffic_seconds). On meta
     tensors autocast does nothing and every tensor is the model's dtype: right for a Hugging Face
     Llama's residual stream and norms, which stay fp32 under amp, twice the bytes of its bf16 MLP
-    activations. Not counted: a view or alias of an
-    input (no data moves; an in-place operator does count), a weight's elements (a gather reads the
-    rows it returns, counted as its output), and an operator on weights alone (autocast's cast of a
-    weight: once a step, not once a sample).
+    activations. Not counted: a view or alias of an input (no data moves; an in-place operator
+    does count), a weight's elements (a gather reads the rows it returns, counted as its output),
+    and an operator on weights alone (autocast's cast of a weight: once a step, not once a sample).
 
     >>> import torch
     >>> x, w = torch.ones(4, 8), torch.ones(8)
