@@ -162,6 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(args.work_dir) if args.work_dir else default_work_dir(config["slug"])
     state, how = State.open(folder / "state.json", config, args.fresh)
     print(how)
+    # every invocation of this run, as a run under a device budget is one command called again
+    # and again with other --step and --budget: the report names them all, not only the last
+    state.data.setdefault("invocations", []).append(
+        {"when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "argv": list(sys.argv[1:] if argv is None
+                                                                                    else argv)})
+    state.save()
     chosen = args.step or list(STEPS)
     todo = [unit for unit in units(config) if unit.step in chosen]
     finished = run_units(state, todo, args.budget, run_in_process if args.in_process else run_isolated,

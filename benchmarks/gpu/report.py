@@ -82,6 +82,7 @@ def build(state, all_units) -> dict:
                                                            "op_seconds", "memory", "collectives")},
             "peak_flops": peak, "peak_source": peak_source, "bench": bench, "estimates": estimates,
             "optimizer_seconds_per_byte": estimated.get("optimizer_seconds_per_byte"),
+            "invocations": state.data.get("invocations", []),
             "state": str(state.path)}
 
 
@@ -104,6 +105,9 @@ def markdown(report: dict) -> str:
                                                  f"({', '.join(report['pending'])})."),
              *(["", "CPU dry path: a tiny Llama on this CPU for two steps. The tables show that the plumbing works; "
                 "their numbers measure nothing."] if report["dry"] else []),
+             *(["", "Invocations (`python -m benchmarks.gpu` and):", "",
+                *[f"- {i['when']}: `{' '.join(i['argv']) or '(no arguments)'}`" for i in report["invocations"]]]
+               if report.get("invocations") else []),
              "", "## Tests (pytest -m gpu)", ""]
     if report["tests"]:
         lines.append(table(["unit", "passed", "failed", "errors", "skipped", "collected"],

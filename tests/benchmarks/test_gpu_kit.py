@@ -53,6 +53,10 @@ def test_dry_path_measures_estimates_and_writes_the_report(tmp_path, calibration
     assert cli.main(argv) == 0
     again = capsys.readouterr().out
     assert "resuming" in again and "..." not in again
+    # and the report names both invocations, not only the last
+    report = json.loads(report_path.read_text())
+    assert [i["argv"] for i in report["invocations"]] == [argv, argv]
+    assert report_path.with_suffix(".md").read_text().count(f"`{' '.join(argv)}`") == 2
 
 
 def _fake_units(calls):
