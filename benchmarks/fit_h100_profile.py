@@ -10,8 +10,8 @@ point of a coarse grid, then each term in turn over its fine grid while that imp
 published runs alone leave kernel_seconds and overlap loose (fits from 2 to 9 us a kernel erred
 6.2-6.5% on them, and put the H200 steps at 0.93-1.28x); the measured steps pin them. The six
 held-out runs check the result. Each run's step is costed once (its probe is the slow part) and
-priced at every point tried. The datasheet terms
-(peak FLOP/s, memory bandwidth, links) stay as they are. Prints the best terms and each run's
+priced at every point tried. The datasheet terms (peak FLOP/s, memory bandwidth, links) stay as
+they are. Prints the best terms and each run's
 ratio; write them into atorch/auto/search/profiles/h100_80gb.json by hand, with the date.
 """
 
@@ -33,6 +33,7 @@ GRID = {
     "attention_share": [x / 100 for x in range(20, 62, 2)],  # flash attention's rate, of the bf16 peak
     "overlap": [x / 10 for x in range(0, 11, 2)],
 }
+COARSE = 6  # points of each term's grid in the coarse search
 
 
 def priced(profile, terms: dict):
@@ -49,8 +50,6 @@ def ratios(steps: list, points: list, profile) -> list[float]:
         out.append(published_mfu.mfu_row(point, step.seconds())["ratio"])
     return out
 
-
-COARSE = 6  # points of each term's grid in the coarse search
 
 
 def measured_runs(profile) -> list[tuple]:

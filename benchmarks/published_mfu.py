@@ -92,10 +92,9 @@ def costed(point, profile):
         with FlashAttentionProbe():
             saved = cost.activation_bytes(model, strategy, {"input_ids": ids, "labels": ids}, "unpack_dict", None, ctx,
                                           counts)
-        flops, ops, _, hooked, _, attention, traffic = counts
-        # per sequence: activations, FLOPs, traffic; per step: operators, tensors through hooks
-        step = cost.build_cost(model, strategy, {"data": gpus}, 2.0, saved * micro, flops * micro, micro * seq, "cuda",
-                               ops, 0.0, (), hooked, (), attention * micro, forward_traffic=traffic * micro)
+        flops, ops, _, hooked, _, attention, traffic = cost.scaled_counts(counts, micro)
+        step = cost.build_cost(model, strategy, {"data": gpus}, 2.0, saved * micro, flops, micro * seq, "cuda",
+                               ops, 0.0, (), hooked, (), attention, forward_traffic=traffic)
     return step
 
 

@@ -70,8 +70,7 @@ def reestimate(name: str, rows: list[dict], world: int) -> list[dict]:
         with quiet():
             saved = cost.activation_bytes(model, strategy, batch, "unpack_dict", loss_func, device_ctx, counted,
                                           memo=memo)
-        flops, *rest, attention, traffic = counted
-        counts.extend([flops * scale, *rest, attention * scale, traffic * scale])
+        counts.extend(cost.scaled_counts(counted, scale))
         return int(saved * scale), tokens
 
     out = []

@@ -76,11 +76,9 @@ def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, st
     def probe_for(accumulation: int):
         def probe(strategy, counts: list, dims: dict) -> tuple[int, int]:
             per_rank = global_batch // data_parallel_size(dims)
-            saved, (flops, ops, moments, hooked, spans, in_attention, traffic) = probe_one(strategy)
-            # FLOPs, attention's and the element-wise operators' bytes: the step's sequences; the
-            # operators and the tensors through checkpoints' hooks: one micro-batch's (one kernel
-            # takes its sequences; StepCost repeats them per micro-batch)
-            counts.extend([flops * per_rank, ops, moments, hooked, spans, in_attention * per_rank, traffic * per_rank])
+            saved, counted = probe_one(strategy)
+            # the step's sequences; StepCost repeats the per-step counts once per micro-batch
+            counts.extend(cost.scaled_counts(counted, per_rank))
             return saved * (per_rank // accumulation), per_rank * seq_len  # one micro-batch's activations
         return probe
 

@@ -55,13 +55,11 @@ def costed(size: llama.LlamaSize, feature: str, profile, device_type: str, optim
         with attention():
             saved = cost.activation_bytes(model, strategy, {"input_ids": ids, "labels": ids}, "unpack_dict", None,
                                           probe_ctx, counts)
-        flops, ops, _, hooked, _, attention_flops, traffic = counts
-        # activations, FLOPs and traffic grow with the sequences of a batch; the operators a step
-        # dispatches and the tensors through checkpoints' hooks do not (one kernel takes the batch)
         b = size.batch
-        step = cost.build_cost(model, strategy, {"data": 1}, ADAMW_STATE_FACTOR, saved * b, flops * b, b * size.seq,
-                               device_type, ops, optim_seconds_per_byte, (), hooked, (), attention_flops * b,
-                               forward_traffic=traffic * b)
+        flops, ops, _, hooked, _, attention_flops, traffic = cost.scaled_counts(counts, b)
+        step = cost.build_cost(model, strategy, {"data": 1}, ADAMW_STATE_FACTOR, saved * b, flops, b * size.seq,
+                               device_type, ops, optim_seconds_per_byte, (), hooked, (), attention_flops,
+                               forward_traffic=traffic)
     return step
 
 

@@ -471,6 +471,19 @@ def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, mod
     return saved
 
 
+def scaled_counts(counts: list, scale: float) -> list:
+    """A probe's counts (as :func:`activation_bytes` appends them) for ``scale`` times the sequences
+    it probed: FLOPs, attention's FLOPs and the bytes the operators without FLOPs move grow with
+    them; the operators a step dispatches and the tensors through checkpoints' hooks do not (one
+    kernel takes the whole batch), and the activation profile and the units' spans are shares.
+
+    >>> scaled_counts([10.0, 5, (), 2, (), 4.0, 8.0], 3)
+    [30.0, 5, (), 2, (), 12.0, 24.0]
+    """
+    flops, ops, profile, hooked, spans, attention, traffic = counts
+    return [flops * scale, ops, profile, hooked, spans, attention * scale, traffic * scale]
+
+
 def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int], state_factor: float,
                activations: int, forward_flops: float = 0.0, tokens: int = 0, device_type: str = "cpu",
                forward_ops: float = 0.0, optim_seconds_per_byte: float = 0.0,

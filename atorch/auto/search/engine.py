@@ -222,10 +222,7 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
         with quiet():
             saved = cost.activation_bytes(model, strategy, batch, probe_ctx.model_input_format, probe_ctx.loss_func,
                                           device_ctx, counted, memo=probes)
-        # then operators, profile and spans (shares), hooked tensors: per step; FLOPs and the elements
-        # element-wise operators move scale with the batch
-        flops, *rest, attention, traffic = counted
-        counts.extend([flops * scale, *rest, attention * scale, traffic * scale])
+        counts.extend(cost.scaled_counts(counted, scale))
         return int(saved * scale), tokens
 
     budget, ratio = options.memory_budget, options.estimate_ratio
