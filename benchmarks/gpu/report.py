@@ -149,13 +149,14 @@ def markdown(report: dict) -> str:
     else:
         lines.append("not run yet")
     if report["calibration"]:
-        flops = report["calibration"]["matmul_flops"]
-        lines += ["", f"Calibration ({report['calibration']['command']}): matmul "
-                      + ", ".join(f"{k} {_rate(v)}" for k, v in flops.items())
-                      + "; attention " + ", ".join(f"{k} {_rate(v)}" for k, v in
-                                                  (report["calibration"].get("attention_flops") or {}).items())
-                      + f"; memory {(report['calibration'].get('memory_bandwidth') or 0) / 1e12:.2f} TB/s"
-                      + f", {(report['calibration']['op_seconds'] or 0) * 1e6:.1f} us an operator."]
+        calibration = report["calibration"]
+        rates = [f"matmul {', '.join(f'{k} {_rate(v)}' for k, v in calibration['matmul_flops'].items())}"]
+        if calibration.get("attention_flops"):
+            rates.append(f"attention {', '.join(f'{k} {_rate(v)}' for k, v in calibration['attention_flops'].items())}")
+        if calibration.get("memory_bandwidth"):
+            rates.append(f"memory {calibration['memory_bandwidth'] / 1e12:.2f} TB/s")
+        lines += ["", f"Calibration ({calibration['command']}): " + "; ".join(rates)
+                  + f", {(calibration['op_seconds'] or 0) * 1e6:.1f} us an operator."]
     lines += ["", "## Units", "", table(["unit", "status", "seconds", "note"],
                                         [[u["unit"], u["status"], _fmt(u["seconds"], ".0f"), u["note"]]
                                          for u in report["units"]])]

@@ -4,11 +4,12 @@ search_quality's boundary scenario, 8 slots went to candidates that all measured
 and the one that fits never ran). Here a rule prunes the second candidate in order, whatever it
 is, so the slot logic is checked alone, on real dry runs of one process."""
 
-import pytest
 import torch
 
 from atorch.auto.search import engine, stop
 from atorch.auto.search.report import MEASURED, SearchReport
+
+MAX_DRYRUNS = 2
 
 
 def _search(tmp_path, monkeypatch, max_dryruns: int) -> SearchReport:
@@ -32,12 +33,11 @@ def _search(tmp_path, monkeypatch, max_dryruns: int) -> SearchReport:
     return SearchReport.load(str(path))
 
 
-@pytest.mark.parametrize("max_dryruns", [2])
-def test_a_pruned_candidate_gives_its_slot_to_the_next(tmp_path, monkeypatch, max_dryruns):
-    report = _search(tmp_path, monkeypatch, max_dryruns)
+def test_a_pruned_candidate_gives_its_slot_to_the_next(tmp_path, monkeypatch):
+    report = _search(tmp_path, monkeypatch, MAX_DRYRUNS)
     pruned = [c for c in report.candidates if c.pruned_by == stop.CANNOT_WIN]
     measured = [c for c in report.candidates if c.status == MEASURED]
     assert len(pruned) == 1 and pruned[0].reason == "cannot win: pruned by the test"
     # the slot went on: as many dry runs as max_dryruns, the next candidate in order among them
-    assert report.dry_run == max_dryruns == len(measured)
+    assert report.dry_run == MAX_DRYRUNS == len(measured)
     assert sum(c.pruned_by == engine.MAX_DRYRUNS for c in report.candidates) >= 1

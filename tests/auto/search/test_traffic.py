@@ -1,4 +1,4 @@
-"""The elements that operators without FLOPs move (ops.traffic) and what the cost model charges
+"""The bytes that operators without FLOPs move (ops.traffic) and what the cost model charges
 for them on a device with a memory bandwidth (StepCost.traffic_seconds)."""
 
 import dataclasses
