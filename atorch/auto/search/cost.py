@@ -184,15 +184,25 @@ class _SavedBytes:
 
 
 class _WeightCasts(TorchDispatchMode):
+    """Each cast is held until the mode exits: autocast drops its cache of casts when the model's
+    forward leaves autocast, and a later tensor (the loss's 4-byte total weight) could then get a
+    freed cast's storage address and go uncounted in one run and counted in the next."""
+
     def __init__(self, weights: set):
         super().__init__()
         self.weights = weights
+        self._held: list[torch.Tensor] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func._overloadpacket is torch.ops.aten._to_copy and _storage_key(args[0]) in self.weights:
             self.weights.add(_storage_key(out))
+            self._held.append(out)
         return out
+
+    def __exit__(self, *exc):
+        self._held.clear()
+        return super().__exit__(*exc)
 
 
 @contextlib.contextmanager

@@ -161,6 +161,21 @@ def test_a_plan_counts_amp_native_activations_in_its_dtype():
     assert all(m < r <= m * 1.25 for m, r in zip(meta, real)), (meta, real)
 
 
+def test_a_cast_weight_keeps_its_address_until_the_count_ends():
+    """Autocast drops its cached weight casts when it exits, before the loss runs; a cast freed
+    then could lend its storage address to the loss's 4-byte total weight, which would count as a
+    weight in one run and as saved in the next (two ranks' probes disagreed by 4 bytes)."""
+    from atorch.auto.search import cost
+
+    weight = torch.nn.Parameter(torch.randn(8, 8))
+    counter = cost._SavedBytes([weight])
+    with counter.casts():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.nn.functional.linear(torch.randn(2, 8), weight)
+        fresh = [torch.ones(4) for _ in range(200)]
+        assert not {cost._storage_key(t) for t in fresh} & counter.weights
+
+
 def test_checkpoint_candidates_are_trusted_to_fit_only_within_their_measured_error():
     # Checkpoint estimates run as low as 0.69 of the measured peak on the Llama workloads
     # (docs/benchmarks.md): an estimate of 70 against a budget of 100 fits by the search's usual
