@@ -7,7 +7,11 @@ column of search_quality.py counts, with the readings that decided it.
 Searches a scenario of benchmarks/search_quality.py (its model, data and budget rule) on 4 gloo
 ranks, no search cache, 3 timed steps a dry run as search_quality gives it; no exhaustive run,
 so a budget rule that needs the exhaustive run's peaks is not supported (``small``, ``bert`` and
-``gpt2-tied`` have none). Writes benchmarks/results/search_repeat_<scenario>.{json,md}.
+``gpt2-tied`` have none). Each measured candidate's row gives its estimated step and its readings
+(one a dry run: its median step's samples/s; several for a close call, timed again). With
+``--side-by-side N`` the first search's pick and the candidates it was tied with are then timed
+against each other in N interleaved blocks of 5 steps: how far apart a tie's members really are.
+Writes benchmarks/results/search_repeat_<scenario>.{json,md}.
 """
 
 import argparse
@@ -22,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import harness, search_quality  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+BLOCKS_TEXT = "interleaved blocks of 5 steps, the median step"
 
 
 def searches(name: str, count: int, report_dir: str) -> list[dict]:
@@ -56,29 +61,64 @@ def searches(name: str, count: int, report_dir: str) -> list[dict]:
         out.append({"pick": search_quality._label(picked.to_dict(), world),
                     "tied": [search_quality._label(report.candidates[i].strategy, world) for i in report.tied or []],
                     "measured": [{"strategy": search_quality._label(c.strategy, world), "throughput": c.throughput,
-                                  "range": c.throughput_range, "step_seconds": sorted(c.step_seconds or [])}
+                                  "range": c.throughput_range, "step_seconds": sorted(c.step_seconds or []),
+                                  "estimated_step_seconds": c.estimated_step_seconds, "readings": c.throughputs,
+                                  "config": c.strategy}
                                  for c in sorted(measured, key=lambda c: -c.throughput)]})
     return out
 
 
-def calibrated_searches(name: str, count: int, report_dir: str) -> list[dict]:
+def side_by_side(name: str, run: dict, blocks: int) -> dict[str, float]:
+    """Median step seconds of a search's pick and the candidates it was tied with, timed in
+    ``blocks`` interleaved blocks of 5 steps (search_quality's way of timing picked against best)."""
+    import json
+    import statistics
+
+    from atorch.auto.strategy import Strategy
+    from atorch.utils.log import quiet
+
+    spec = search_quality.SCENARIOS[name]
+    work = search_quality.JOBS[spec.job]
+    configs = {m["strategy"]: m["config"] for m in run["measured"]}
+    with quiet():
+        variants = {label: search_quality._step(work, spec.size, Strategy.from_json(json.dumps(configs[label])))
+                    for label in [run["pick"], *run["tied"]]}
+    samples = harness.interleave(variants, blocks, 5)
+    return {label: statistics.median(values) for label, values in samples.items()}
+
+
+def calibrated_searches(name: str, count: int, report_dir: str, blocks: int) -> dict:
     from atorch.auto.search.calibrate import calibrate
 
     calibrate()  # the search estimates at this machine's rates (cached once)
-    return searches(name, count, report_dir)
+    runs = searches(name, count, report_dir)
+    return {"runs": runs, "side_by_side": side_by_side(name, runs[0], blocks) if blocks else None}
 
 
-def markdown(name: str, runs: list[dict]) -> str:
+def markdown(name: str, runs: list[dict], timed: dict[str, float] | None = None) -> str:
     lines = [f"Search of `{name}` repeated {len(runs)} times (samples/s: the median timed step's, "
              "its range the slowest and fastest step's; the steps in ms):", ""]
     for index, run in enumerate(runs, 1):
         tied = f", tied with {', '.join(run['tied'])}" if run["tied"] else ""
         lines += [f"{index}. picked {run['pick']}{tied}", ""]
         rows = [[m["strategy"], f"{m['throughput']:.1f}", f"{m['range'][0]:.1f}-{m['range'][1]:.1f}",
-                 str(len(m["step_seconds"])), " ".join(f"{s * 1e3:.1f}" for s in m["step_seconds"])]
+                 str(len(m["step_seconds"])), " ".join(f"{s * 1e3:.1f}" for s in m["step_seconds"]),
+                 _estimate_ms(m), " ".join(f"{r:.0f}" for r in m.get("readings") or [m["throughput"]])]
                 for m in run["measured"]]
-        lines += [harness.table(["candidate", "median", "range", "steps", "step ms"], rows), ""]
+        lines += [harness.table(["candidate", "median", "range", "steps", "step ms", "estimated ms",
+                                 "readings"], rows), ""]
+    if timed:
+        fastest = min(timed.values())
+        lines += [f"The first search's pick and its ties side by side ({BLOCKS_TEXT}):", "",
+                  harness.table(["candidate", "median step ms", "step / fastest"],
+                                [[label, f"{value * 1e3:.1f}", f"{value / fastest:.3f}"]
+                                 for label, value in sorted(timed.items(), key=lambda item: item[1])]), ""]
     return "\n".join(lines)
+
+
+def _estimate_ms(measured: dict) -> str:
+    seconds = measured.get("estimated_step_seconds")
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
 def main(argv=None) -> str:
@@ -86,16 +126,18 @@ def main(argv=None) -> str:
     p.add_argument("--scenario", default="small", choices=sorted(search_quality.SCENARIOS))
     p.add_argument("--searches", type=int, default=5)
     p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--side-by-side", type=int, default=0, metavar="BLOCKS",
+                   help="time the first search's pick and its ties in BLOCKS interleaved blocks of 5 steps")
     p.add_argument("--out", default=None, help="default: benchmarks/results/search_repeat_<scenario>")
     args = p.parse_args(argv)
     from atorch.distributed.local import run_local
 
     with tempfile.TemporaryDirectory() as report_dir:
-        runs = run_local(functools.partial(calibrated_searches, args.scenario, args.searches, report_dir), args.nproc,
-                         timeout_s=3600)[0]
-    text = markdown(args.scenario, runs)
+        found = run_local(functools.partial(calibrated_searches, args.scenario, args.searches, report_dir,
+                                            args.side_by_side), args.nproc, timeout_s=3600)[0]
+    text = markdown(args.scenario, found["runs"], found["side_by_side"])
     harness.write(args.out or RESULTS / f"search_repeat_{args.scenario.replace('-', '_')}",
-                  {"scenario": args.scenario, "nproc": args.nproc, "runs": runs}, text)
+                  {"scenario": args.scenario, "nproc": args.nproc, **found}, text)
     print(text)
     return text
 

@@ -28,23 +28,32 @@ from atorch.utils.log import logger, quiet
 
 # Throughputs within this fraction of the best count as a tie, won by the simpler strategy.
 TIE_TOLERANCE = 0.03
-# A candidate whose measured range (its fastest and slowest timed steps) overlaps the best's is
-# tied with it too, if its median is within this fraction of the best's: the readings cannot
+# A candidate timed in several dry runs (a close call, below) is tied with the best too when the
+# range of its readings (one a dry run: its median step) overlaps the best's: the readings cannot
 # tell them apart, so a fixed rule (fewer methods, then the faster estimate, then the order the
-# candidates were generated in) decides, and the same job gets the same pick run after run.
+# candidates were generated in) decides, and the same job gets the same pick run after run. A
+# candidate read once has only its steps' range (fastest and slowest step), which one wild step
+# widens: it ties through an overlap only if its median is within TIE_CAP of the best's. Until
+# 2026-11-26 the cap held for every candidate: on search_quality.py's small Llama, three layouts
+# within 4% of each other side by side (plain and zero1 data parallelism, a 4-stage pipeline; 20
+# interleaved blocks) read medians 3-20% apart over three dry runs each, and the pick changed
+# with which side of 10% a draw fell.
 TIE_CAP = 0.10
-# A runner-up measured within this fraction of the best is timed again, and so is the best, in
-# up to RETIME_ROUNDS more fresh dry runs each, alternated runner-up, best, then best, runner-up
-# (a drift of the machine's load weighs on both alike); each keeps the median of its readings,
-# and the second round runs only if the first left the two within the margin. 4 ranks on 2
-# shared cores, six dry runs each of plain and zero1 data parallelism on search_quality.py's
-# small Llama, alternated, measured 109-133 and 110-141 samples/s (max/min 1.22 and 1.28; the
-# slowest rank's steps within one run varied up to 1.5x); the search had once measured that pair
-# at 104 and 133 and picked the one 4% slower side by side, and once read zero2 and zero1 at 131
-# and 125, then 126 and 133 (zero1 10% faster side by side). One reading each (with a margin of
-# 0.10 until 2026-11-25), or two, let such draws decide.
-RETIME_MARGIN = 0.20
+# Every runner-up measured within this fraction of the best (up to RETIME_BAND candidates, the best
+# included: the close call) is timed again, and so is the best, in up to RETIME_ROUNDS more fresh
+# dry runs each, in turn from the slowest to the best, then from the best to the slowest (a drift
+# of the machine's load weighs on all alike); each keeps the median of its readings, and a round
+# runs only while two candidates are still within the margin. 4 ranks on 2 shared cores, six dry
+# runs each of plain and zero1 data parallelism on search_quality.py's small Llama, alternated,
+# measured 109-133 and 110-141 samples/s (max/min 1.22 and 1.28; the slowest rank's steps within
+# one run varied up to 1.5x); the search had once measured that pair at 104 and 133 and picked the
+# one 4% slower side by side. Until 2026-11-26 only the best and the runner-up were timed again:
+# on that model a third candidate, plain data parallelism, read once at 104-106 samples/s (its
+# other readings 126-130) stayed out of the tie that its estimate wins, and 2 of 5 searches picked
+# zero1 instead (benchmarks/results/search_repeat_small.md).
+RETIME_MARGIN = 0.30
 RETIME_ROUNDS = 2
+RETIME_BAND = 4
 # A candidate is dominated by one that needs no more memory and is estimated this many times
 # faster. The step-time estimate (nominal or calibrated rates) orders candidates, it does not
 # predict seconds well, so only a wide gap prunes.
@@ -404,23 +413,24 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
             fits.add(id(strategy))
     if stopped:
         report.stopped = stop.stop_note(stopped, sum(1 for _, r in results if r.status in (MEASURED, FAILED)))
-    close = _close_call(results) if only is None and not timed_out else []
+    out_of_time = only is not None or timed_out  # a timed-out search is not timed again
     for round_ in range(RETIME_ROUNDS):
-        if not close or (round_ and _settled(close)):
-            break  # no close call, out of time, or the readings so far set the two apart
-        # runner-up then best, then best then runner-up, ...
+        close = [] if out_of_time else _close_call(results)
+        if not close:
+            break  # no close call, out of time, or the readings so far set the candidates apart
+        # the slowest to the best, then the best to the slowest, ...
         for strategy, result in close if round_ % 2 == 0 else close[::-1]:
             # Timed again over as many steps; the throughput is the median of the readings, the
             # peak their largest, judged again.
             remaining = time_left()
             if not from_rank0(remaining is None or remaining >= last_seconds):
-                close = []
+                out_of_time = True
                 break
             _say(options, f"search: timing {' + '.join(strategy.opt_names) or '(plain)'} again (a close call)")
             outcome = measure(strategy, result, options.timed_steps, options.dryrun_timeout, remaining)
             if outcome["reason"] is not None or outcome["timed_steps"] < options.timed_steps:
                 continue  # the readings so far stand
-            result.throughputs = [*(result.throughputs or [result.throughput]), outcome["throughput"]]
+            result.throughputs = [*(result.throughputs or [result.throughput]), _reading(outcome, global_batch)]
             _record(result, outcome, global_batch)
             peaks = [p for p in (result.measured_peak_bytes, outcome["measured_peak_bytes"]) if p is not None]
             result.measured_peak_bytes = max(peaks) if peaks else None
@@ -631,22 +641,15 @@ def _no_winner_note(results, options: SearchOptions, timed_out: bool) -> str:
 
 
 def _close_call(results) -> list:
-    """The runner-up and the best measured candidate, when the runner-up is within RETIME_MARGIN
-    of the best (the runner-up first: the two are timed again in turn); else none."""
+    """The measured candidates within RETIME_MARGIN of the best, at most RETIME_BAND of them, from
+    the slowest to the best (they are timed again in turn); none when the best stands alone."""
     measured = sorted(((s, r) for s, r in results if r.status == MEASURED and r.throughput),
                       key=lambda item: -item[1].throughput)
-    if len(measured) < 2:
+    if not measured:
         return []
-    (best, first), (runner_up, second) = measured[:2]
-    if second.throughput < first.throughput * (1 - RETIME_MARGIN):
-        return []
-    return [(runner_up, second), (best, first)]
-
-
-def _settled(close) -> bool:
-    """Whether the two candidates of a close call now measure more than RETIME_MARGIN apart."""
-    slower, faster = sorted(result.throughput for _, result in close)
-    return slower < faster * (1 - RETIME_MARGIN)
+    best = measured[0][1].throughput
+    close = [(s, r) for s, r in measured[:RETIME_BAND] if r.throughput >= best * (1 - RETIME_MARGIN)]
+    return close[::-1] if len(close) > 1 else []
 
 
 def _record(result, outcome: dict, global_batch: int) -> None:
@@ -662,9 +665,17 @@ def _record(result, outcome: dict, global_batch: int) -> None:
     result.throughput_range = [global_batch / max(steps), global_batch / min(steps)]
 
 
+def _reading(outcome: dict, global_batch: int) -> float:
+    """One dry run's throughput as :func:`_record` reads a candidate's first: its median step's."""
+    steps = [t for t in outcome.get("step_seconds") or () if t > 0]
+    return global_batch / statistics.median(steps) if steps else outcome["throughput"]
+
+
 def _ties_with(result, best) -> bool:
     if result.throughput >= best.throughput * (1 - TIE_TOLERANCE):
         return True
+    if len(result.throughputs or ()) > 1 and len(best.throughputs or ()) > 1:
+        return max(result.throughputs) >= min(best.throughputs)  # the readings overlap
     if not (result.throughput_range and best.throughput_range):
         return False
     overlap = result.throughput_range[1] >= best.throughput_range[0]

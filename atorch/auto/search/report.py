@@ -172,7 +172,7 @@ class SearchReport:
             return []
         others = ", ".join(" + ".join(self.candidates[i].names) or "(plain)" for i in self.tied)
         winner = " + ".join(self.candidates[self.winner].names) or "(plain)"
-        return [f"winner {winner}: tied with {others} (their measured step ranges overlap the best's); the tie "
+        return [f"winner {winner}: tied with {others} (their readings overlap the best's); the tie "
                 "goes to fewer methods, then the faster estimate"]
 
     def _counts_line(self) -> list[str]:

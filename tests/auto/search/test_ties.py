@@ -1,9 +1,10 @@
 """The search's readings and its tie rule: each candidate's throughput is its median timed step's
-(one slow step moves the range, not the pick), and candidates whose measured ranges overlap the
-best's are tied, the tie going to fewer methods, then the faster estimate, so that noisy
-readings give the same pick run after run."""
+(one slow step moves the range, not the pick), and candidates whose readings overlap the best's
+(the dry runs' medians when timed several times; a lone dry run's steps, within TIE_CAP) are
+tied, the tie going to fewer methods, then the faster estimate, so that noisy readings give the
+same pick run after run."""
 
-from atorch.auto.search.engine import _pick_winner, _record, _tied
+from atorch.auto.search.engine import TIE_CAP, _pick_winner, _record, _tied
 from atorch.auto.search.report import MEASURED, CandidateResult, SearchReport
 
 BATCH = 16
@@ -45,6 +46,29 @@ def test_apart_ranges_or_a_gap_past_the_cap_are_no_tie():
     # overlapping only through a wild step, but the medians 30% apart: the faster wins
     fast, slow = _candidate([0.10, 0.10, 0.5], 2), _candidate([0.13, 0.13, 0.13], 1)
     assert _pick_winner([slow, fast])[1] is fast[1]
+
+
+def _read(readings: list[float], methods: int, estimate: float):
+    """A candidate timed in several dry runs (a close call), each reading its median step."""
+    item = _candidate([BATCH / readings[0]], methods, estimate)
+    item[1].throughputs = list(readings)
+    for value in readings[1:]:
+        _record(item[1], {"throughput": value, "step_seconds": [BATCH / value]}, BATCH)
+    return item
+
+
+def test_several_readings_tie_when_their_ranges_overlap_whatever_the_gap_of_the_medians():
+    # small's plain data parallelism beside a 4-stage pipeline, within 4% side by side: three
+    # readings each, the medians 12% apart (past TIE_CAP), the readings overlapping: a tie, the
+    # faster estimate wins it, as it does when the medians read 2% apart
+    best, plain = _read([140.0, 134.0, 150.0], 1, 0.057), _read([136.0, 118.0, 123.0], 1, 0.047)
+    assert best[1].throughput > plain[1].throughput / (1 - TIE_CAP)
+    assert _pick_winner([best, plain])[1] is plain[1] and _tied([best, plain], plain) == [best[1]]
+
+
+def test_several_readings_apart_are_no_tie_however_close_the_medians():
+    best, other = _read([100.0, 101.0, 102.0], 1, 0.2), _read([95.0, 96.0, 97.0], 1, 0.1)
+    assert _pick_winner([best, other])[1] is best[1] and _tied([best, other], best) == []
 
 
 def test_the_report_says_who_was_tied_and_shows_each_range():
