@@ -60,6 +60,7 @@ def _missing(args) -> list[str]:
 def cmd_plan(args) -> int:
     from atorch.auto.model_states import Assumptions
     from atorch.auto.search import cost
+    from atorch.cli import plan_report
 
     missing = _missing(args)
     if missing:
@@ -91,6 +92,8 @@ def cmd_plan(args) -> int:
         print(f"  activations      measured on one per-rank micro-batch ({args.batch_size // args.world_size} x "
               f"{args.seq_len}) in the model's dtype ({str(next(model.parameters()).dtype).removeprefix('torch.')}); "
               "bfloat16/float16 under amp_native; checkpointing keeps the block inputs")
+    if args.batch_size is not None and (note := plan_report.amp_note(args.exclude)):
+        print(note)
     print(f"  sharding over {args.world_size} data-parallel ranks: zero1 divides optimizer state, zero2 also "
           "gradients, fsdp also weights; DDP (plain and zero1) keeps a copy of the gradients in its buckets")
     print("all figures: GiB per rank")

@@ -17,6 +17,15 @@ TERM_NAMES = {"params": "weights", "grads": "gradients", "optim_state": "optimiz
 STATE_TERMS = ("params", "grads", "optim_state", "buckets")
 
 
+def amp_note(excluded) -> str | None:
+    """What a plan on the meta device leaves out of amp_native's activations, unless it is excluded."""
+    if "amp_native" in (excluded or ()):
+        return None
+    from atorch.methods.amp_native import META_ACTIVATIONS_NOTE
+
+    return META_ACTIVATIONS_NOTE
+
+
 def records(result: dict, world: int) -> list[dict]:
     """One JSON-ready record per candidate of :func:`atorch.cli.plan_search.plan_search`'s result,
     fastest fitting first, then over memory (smallest first), then without an estimate."""

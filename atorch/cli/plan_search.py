@@ -229,6 +229,8 @@ def cmd_plan_search(args) -> int:
     if getattr(args, "json", False):
         header = {"estimated": True, "profile": profile.name, "parameters": params, "world_size": args.world_size,
                   "global_batch": args.batch_size, "seq_len": args.seq_len}
+        if note := plan_report.amp_note(args.exclude):
+            header["notes"] = [" ".join(note.split())]
         print(json.dumps(plan_report.document(result, records, header), indent=1))
         return 0
     _print(result, records, args, profile, params, assumptions)
@@ -252,6 +254,8 @@ def _print(result, records, args, profile, params, assumptions) -> None:
           f"{attention}, scaled linearly to each layout's micro-batch; a candidate over memory is tried again with "
           "gradient accumulation (2, 4, ... micro-batches a step), a pipeline with its microbatches doubled, until "
           "it fits")
+    if note := plan_report.amp_note(args.exclude):
+        print(note)
     hidden = (f"{profile.overlap:g} of the data-parallel sync a method issues during a pass hidden behind its compute"
               if profile.overlap else "none of it overlapped")
     print(f"  time             compute / sustained rate x (1 + pipeline bubble) + communication, {hidden}; "

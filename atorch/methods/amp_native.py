@@ -59,6 +59,15 @@ def wrap_optimizer(ctx: ModelContext, config: AmpNativeConfig) -> None:
         ctx.loss_func = ScaledLossFunc(ctx.loss_func, scaler)
 
 
+# What a plan on the meta device says of amp_native's activations (atorch plan, plan --search):
+# saved_in_autocast_dtype counts every fp32 byte at autocast's width, and models that keep fp32
+# under autocast hold more. Measured peak / estimated: 1.2 for a 1.1B Hugging Face Llama's bf16
+# step on an H200 (docs/gpu_check.md), 1.6 for a small one on this CPU (docs/plans/llama_layouts.md).
+META_ACTIVATIONS_NOTE = ("  amp_native       activations counted at bfloat16/float16 width: an UNDER-count where the "
+                         "model keeps\n                   fp32 under autocast (a Hugging Face Llama's residual stream, "
+                         "norms and loss: its\n                   measured peak was 1.2-1.6x the estimate)")
+
+
 def saved_in_autocast_dtype(config: AmpNativeConfig, saved: dict) -> dict:
     """Cost-model term: the floating-point activations autograd saves, counted in autocast's dtype.
 
