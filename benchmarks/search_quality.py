@@ -49,6 +49,11 @@ early stop says nothing left can win: a small space keeps the ratio high, since 
 the least the early stop needs (mlp-heavy as one flat ``nn.Sequential``, 16 distinct candidates,
 read 0.27; as blocks, 138 distinct, 0.033).
 
+``--exhaustive-from PATTERN`` reruns only the searches and the side-by-side timing against an
+earlier run's exhaustive part (its table, budget, time and estimate rank, from the JSON that
+``--out`` wrote): what a change to the search's own rules (ties, close calls) needs; a change to
+the estimates or the dry runs needs the whole run.
+
 Wall time on 2 shared cores with 4 ranks: ``--tiny --repeats 2 --steps 2`` takes about 8 minutes
 (exhaustive 34-92 s and search 8-19 s per scenario, plus start-up and timing); its figures only
 show that it runs (its estimates were 0.3-0.5 of the measured peaks while the dry runs counted
@@ -227,15 +232,11 @@ def _budget(rule, measured, model, world: int, remeasure) -> int | None:
     return int(peak * factor)
 
 
-def scenario(name: str, size: Size, spec: Scenario, repeats: int, steps: int, report_dir: str,
-             searches: int = SEARCHES) -> dict:
-    """Exhaustive run, search, then picked vs best timed side by side (on every rank)."""
-    import torch.distributed as dist
-
-    from atorch import auto_accelerate
+def exhaustive_run(size: Size, spec: Scenario) -> dict:
+    """Every candidate of the search's own space dry-run (on every rank): the table, the budget and
+    the scenario's common figures."""
     from atorch.auto.environment import DeviceContext
     from atorch.auto.search import measure
-    from atorch.auto.search.report import SearchReport
     from atorch.auto.search.space import candidate_space, layout_space
     from atorch.auto.strategy import Strategy
     from atorch.utils.log import quiet
@@ -271,13 +272,44 @@ def scenario(name: str, size: Size, spec: Scenario, repeats: int, steps: int, re
               "measured_peak_bytes": c.measured_peak_bytes, "estimated_peak_bytes": c.estimated_peak_bytes,
               "estimated_step_seconds": c.estimated_step_seconds, "fits": c in fitting, "status": c.status,
               "reason": c.reason} for c in exhaustive.candidates]
-    common = {"budget": budget, "excluded": list(spec.excluded), "size": size.as_dict(), "candidates": len(candidates),
-              "dry_run": len(measured), "exhaustive_seconds": exhaustive_s, "exhaustive": table, "job": spec.job,
-              "spearman": rank_agreement(table)}
+    return {"budget": budget, "excluded": list(spec.excluded), "size": size.as_dict(), "candidates": len(candidates),
+            "dry_run": len(measured), "exhaustive_seconds": exhaustive_s, "exhaustive": table, "job": spec.job,
+            "spearman": rank_agreement(table)}
+
+
+def previous_exhaustive(path: str, name: str) -> dict:
+    """The exhaustive part of an earlier run's results for ``name`` (its --out JSON): the search's
+    rules (ties, close calls) do not enter it, so the searches can be rerun against it alone."""
+    previous = json.loads(Path(path).read_text())["scenarios"][name]
+    keep = ("budget", "excluded", "size", "candidates", "dry_run", "exhaustive_seconds", "exhaustive", "job", "spearman")
+    return {**{key: previous[key] for key in keep}, "exhaustive_from": path}
+
+
+def scenario(name: str, size: Size, spec: Scenario, repeats: int, steps: int, report_dir: str,
+             searches: int = SEARCHES, previous: str | None = None) -> dict:
+    """Exhaustive run (or ``previous``'s), search, then picked vs best timed side by side (on every rank)."""
+    import torch.distributed as dist
+
+    from atorch import auto_accelerate
+    from atorch.auto.environment import DeviceContext
+    from atorch.auto.search.report import SearchReport
+    from atorch.auto.strategy import Strategy
+    from atorch.utils.log import quiet
+
+    work = JOBS[spec.job]
+    build, data = functools.partial(work.build, size), functools.partial(work.dataset, size)
+    job = {"optim_args": {"lr": 1e-3}, "dataloader_args": {"batch_size": size.global_batch, "shuffle": True},
+           "model_input_format": work.model_input_format}
+    excluded = list(spec.excluded) or None
+    world = DeviceContext.detect().world_size
+    model = build()  # not trained: for judging the pick's peak
+    common = exhaustive_run(size, spec) if previous is None else previous_exhaustive(previous, name)
+    budget = common["budget"]
+    fitting = [c for c in common["exhaustive"] if c["fits"] and c.get("throughput")]
     if not fitting:
         return {**common, "search_seconds": None, "picked": None, "best": None, "throughput_ratio": None,
                 "fits": "-", "note": "no candidate fits the budget"}
-    best = max(fitting, key=lambda c: c.throughput)
+    best = max(fitting, key=lambda c: c["throughput"])
 
     report_file = f"{report_dir}/{name}.json"
     picks, times = [], []
@@ -303,9 +335,9 @@ def scenario(name: str, size: Size, spec: Scenario, repeats: int, steps: int, re
               "search_pruned": report.pruned, "search_note": report.note, "search_ran": ran}
     winner = None if report.winner is None else report.candidates[report.winner]
     if not status:
-        return {**common, **search, "picked": None, "best": best.strategy, "throughput_ratio": 0.0,
+        return {**common, **search, "picked": None, "best": best["config"], "throughput_ratio": 0.0,
                 "fits": "-", "note": "the search returned no strategy"}
-    best_strategy = Strategy.from_json(json.dumps(best.strategy))
+    best_strategy = Strategy.from_json(json.dumps(best["config"]))
     if best_strategy == picked:
         ratio, samples = 1.0, None
     else:
@@ -313,11 +345,12 @@ def scenario(name: str, size: Size, spec: Scenario, repeats: int, steps: int, re
             variants = {"picked": _step(work, size, picked), "best": _step(work, size, best_strategy)}
         samples = harness.interleave(variants, repeats, steps)
         ratio = harness.ratio(samples, "best", "picked")  # step time best/picked = throughput picked/best
-    return {**common, **search, "picked": picked.to_dict(), "best": best.strategy, "throughput_ratio": ratio,
+    return {**common, **search, "picked": picked.to_dict(), "best": best["config"], "throughput_ratio": ratio,
             "fits": _fits_text(winner, budget, _fits(winner, budget, model, world)), "samples": samples}
 
 
-def run(names: list[str], tiny: bool, repeats: int, steps: int, report_dir: str, searches: int) -> dict:
+def run(names: list[str], tiny: bool, repeats: int, steps: int, report_dir: str, searches: int,
+        previous: str | None = None) -> dict:
     warnings.filterwarnings("ignore", category=FutureWarning)
     from atorch.auto.search.calibrate import calibrate
 
@@ -325,7 +358,8 @@ def run(names: list[str], tiny: bool, repeats: int, steps: int, report_dir: str,
     out = {}
     for name in names:
         spec = SCENARIOS[name]
-        out[name] = scenario(name, spec.tiny if tiny else spec.size, spec, repeats, steps, report_dir, searches)
+        out[name] = scenario(name, spec.tiny if tiny else spec.size, spec, repeats, steps, report_dir, searches,
+                             None if previous is None else previous.format(scenario=name))
     return out
 
 
@@ -398,13 +432,16 @@ def main(argv=None) -> str:
     parser.set_defaults(nproc=4)
     parser.add_argument("--searches", type=int, default=SEARCHES,
                         help=f"searches of each scenario, no cache, for the same-pick column (default {SEARCHES})")
+    parser.add_argument("--exhaustive-from", default=None, metavar="PATTERN",
+                        help="reuse an earlier run's exhaustive part (its JSON; {scenario} is replaced by the "
+                             "scenario's name) and rerun only the searches and the side-by-side timing")
     args = parser.parse_args(argv)
     names = harness.choices(parser, args.scenarios, SCENARIOS, "scenarios")
     from atorch.distributed.local import run_local
 
     with tempfile.TemporaryDirectory() as report_dir:
         results = run_local(functools.partial(run, names, args.tiny, args.repeats, args.steps, report_dir,
-                                              args.searches),
+                                              args.searches, args.exhaustive_from),
                                   args.nproc, timeout_s=3600)[0]
     markdown = report(results, args.nproc, args.out, args.plot or None)
     print(markdown)

@@ -39,6 +39,15 @@ TIE_TOLERANCE = 0.03
 # interleaved blocks) read medians 3-20% apart over three dry runs each, and the pick changed
 # with which side of 10% a draw fell.
 TIE_CAP = 0.10
+# A tie goes to fewer methods among the tied candidates estimated within this fraction of the
+# fastest estimate, then to the faster estimate: a candidate with more methods wins a tie only
+# where the estimate clearly says it is faster. With fewer methods first alone, deep-narrow's
+# pick in search_quality.py flipped (3 of 5 searches) between zero1 + gradient accumulation x2
+# (estimated 201 ms, measured fastest, 7% ahead in the exhaustive run) when its three readings
+# stood apart, and a 4-stage pipeline (228 ms, one method fewer) when they overlapped. Where the
+# estimates are near (small's README example: zero2 estimated 5% faster than plain DDP at nominal
+# rates, measured 22% slower), fewer methods still decide.
+TIE_ESTIMATE = 0.10
 # Every runner-up measured within this fraction of the best (up to RETIME_BAND candidates, the best
 # included: the close call) is timed again, and so is the best, in up to RETIME_ROUNDS more fresh
 # dry runs each, in turn from the slowest to the best, then from the best to the slowest (a drift
@@ -688,6 +697,16 @@ def _tie_rule(item) -> tuple:
     return len(strategy), result.estimated_step_seconds or float("inf")
 
 
+def _clearly_faster(tied: list) -> list:
+    """The tied candidates whose estimated step is within TIE_ESTIMATE of the fastest estimate (all
+    of them when none has an estimate): the tie rule's fewer methods choose among these only."""
+    estimates = [r.estimated_step_seconds for _, r in tied if r.estimated_step_seconds]
+    if not estimates:
+        return tied
+    limit = min(estimates) * (1 + TIE_ESTIMATE)
+    return [(s, r) for s, r in tied if r.estimated_step_seconds and r.estimated_step_seconds <= limit]
+
+
 def _tied_set(results) -> list:
     measured = [(s, r) for s, r in results if r.status == MEASURED and r.throughput]
     if not measured:
@@ -700,7 +719,7 @@ def _pick_winner(results):
     measured = [(s, r) for s, r in results if r.status == MEASURED]
     if not measured:
         return None
-    tied = _tied_set(results) or measured
+    tied = _clearly_faster(_tied_set(results) or measured)
     return min(tied, key=_tie_rule)  # min keeps the first of equals: the order of generation
 
 

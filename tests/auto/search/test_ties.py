@@ -1,10 +1,10 @@
 """The search's readings and its tie rule: each candidate's throughput is its median timed step's
 (one slow step moves the range, not the pick), and candidates whose readings overlap the best's
 (the dry runs' medians when timed several times; a lone dry run's steps, within TIE_CAP) are
-tied, the tie going to fewer methods, then the faster estimate, so that noisy readings give the
-same pick run after run."""
+tied, the tie going to fewer methods among those estimated within TIE_ESTIMATE of the fastest
+estimate, then the faster estimate, so that noisy readings give the same pick run after run."""
 
-from atorch.auto.search.engine import TIE_CAP, _pick_winner, _record, _tied
+from atorch.auto.search.engine import TIE_CAP, TIE_ESTIMATE, _pick_winner, _record, _tied
 from atorch.auto.search.report import MEASURED, CandidateResult, SearchReport
 
 BATCH = 16
@@ -28,11 +28,22 @@ def test_overlapping_ranges_tie_and_the_simpler_candidate_wins_every_time():
     # Two readings of the same pair, the order of the medians flipped by noise: the same pick.
     for plain_steps, zero_steps in (([0.10, 0.11, 0.12], [0.095, 0.10, 0.115]),
                                     ([0.095, 0.10, 0.115], [0.10, 0.11, 0.12])):
-        plain, zero = _candidate(plain_steps, 1, 0.2), _candidate(zero_steps, 2, 0.1)
+        # estimated within TIE_ESTIMATE of each other: fewer methods decide
+        plain, zero = _candidate(plain_steps, 1, 0.2), _candidate(zero_steps, 2, 0.2 / (1 + TIE_ESTIMATE / 2))
         results = [zero, plain]
         winner = _pick_winner(results)
         assert winner[1] is plain[1]
         assert _tied(results, winner) == [zero[1]]
+
+
+def test_a_tie_goes_to_more_methods_only_where_the_estimate_is_clearly_faster():
+    # deep-narrow: zero1 + gradient accumulation (estimated 201 ms, measured fastest) against a
+    # pipeline with one method fewer (228 ms); their readings overlap in some searches, not others
+    zero_ga, pipeline = _read([28.1, 27.1, 27.0], 3, 0.201), _read([27.5, 26.2, 25.2], 2, 0.228)
+    assert _tied([zero_ga, pipeline], zero_ga) == [pipeline[1]]  # the readings overlap
+    assert _pick_winner([pipeline, zero_ga])[1] is zero_ga[1]
+    apart = _read([25.2, 26.2, 21.6], 2, 0.228)  # apart: measured, the same pick
+    assert _tied([zero_ga, apart], zero_ga) == [] and _pick_winner([apart, zero_ga])[1] is zero_ga[1]
 
 
 def test_a_tie_between_equals_in_methods_goes_to_the_faster_estimate():
