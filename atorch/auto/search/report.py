@@ -172,10 +172,11 @@ class SearchReport:
             return []
         others = ", ".join(" + ".join(self.candidates[i].names) or "(plain)" for i in self.tied)
         winner = " + ".join(self.candidates[self.winner].names) or "(plain)"
-        from atorch.auto.search.engine import TIE_ESTIMATE
+        from atorch.auto.search.engine import TIE_CAP, TIE_ESTIMATE
 
-        return [f"winner {winner}: tied with {others} (their readings overlap the best's); the tie goes to fewer "
-                f"methods among those estimated within {TIE_ESTIMATE:.0%} of the fastest, then the faster estimate"]
+        return [f"winner {winner}: tied with {others} (their step ranges overlap the best's, medians within "
+                f"{TIE_CAP:.0%}); the tie goes to fewer methods among those estimated within {TIE_ESTIMATE:.0%} of "
+                "the fastest, then the faster estimate"]
 
     def _counts_line(self) -> list[str]:
         if self.generated is None:

@@ -1,8 +1,8 @@
 """The search's readings and its tie rule: each candidate's throughput is its median timed step's
-(one slow step moves the range, not the pick), and candidates whose readings overlap the best's
-(the dry runs' medians when timed several times; a lone dry run's steps, within TIE_CAP) are
-tied, the tie going to fewer methods among those estimated within TIE_ESTIMATE of the fastest
-estimate, then the faster estimate, so that noisy readings give the same pick run after run."""
+(one slow step moves the range, not the pick), and candidates whose step ranges overlap the
+best's with medians within TIE_CAP are tied, the tie going to fewer methods among those
+estimated within TIE_ESTIMATE of the fastest estimate, then the faster estimate, so that noisy
+readings give the same pick run after run."""
 
 from atorch.auto.search.engine import TIE_CAP, TIE_ESTIMATE, _pick_winner, _record, _tied
 from atorch.auto.search.report import MEASURED, CandidateResult, SearchReport
@@ -68,16 +68,16 @@ def _read(readings: list[float], methods: int, estimate: float):
     return item
 
 
-def test_several_readings_tie_when_their_ranges_overlap_whatever_the_gap_of_the_medians():
-    # small's plain data parallelism beside a 4-stage pipeline, within 4% side by side: three
-    # readings each, the medians 12% apart (past TIE_CAP), the readings overlapping: a tie, the
-    # faster estimate wins it, as it does when the medians read 2% apart
+def test_overlapping_ranges_tie_up_to_the_cap_past_the_old_10_percent():
+    # small's plain data parallelism beside a 4-stage pipeline, within 4-10% side by side: three
+    # readings each, the medians 12% apart, the ranges overlapping: a tie, the faster estimate wins
+    # it, as it does when the medians read 2% apart
     best, plain = _read([140.0, 134.0, 150.0], 1, 0.057), _read([136.0, 118.0, 123.0], 1, 0.047)
-    assert best[1].throughput > plain[1].throughput / (1 - TIE_CAP)
+    assert 1 - plain[1].throughput / best[1].throughput > 0.10 and TIE_CAP >= 0.12
     assert _pick_winner([best, plain])[1] is plain[1] and _tied([best, plain], plain) == [best[1]]
 
 
-def test_several_readings_apart_are_no_tie_however_close_the_medians():
+def test_ranges_apart_are_no_tie_however_close_the_medians():
     best, other = _read([100.0, 101.0, 102.0], 1, 0.2), _read([95.0, 96.0, 97.0], 1, 0.1)
     assert _pick_winner([best, other])[1] is best[1] and _tied([best, other], best) == []
 
