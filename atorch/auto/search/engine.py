@@ -58,7 +58,7 @@ TIE_ESTIMATE = 0.10
 # one 4% slower side by side. Until 2026-11-26 only the best and the runner-up were timed again:
 # on that model a third candidate, plain data parallelism, read once at 104-106 samples/s (its
 # other readings 126-130) stayed out of the tie that its estimate wins, and 2 of 5 searches picked
-# zero1 instead (benchmarks/results/search_repeat_small.md).
+# zero1 instead (benchmarks/search_repeat.py, 2026-11-26, before the change).
 RETIME_MARGIN = 0.30
 RETIME_ROUNDS = 2
 RETIME_BAND = 4
