@@ -421,9 +421,10 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
             fits.add(id(strategy))
     if stopped:
         report.stopped = stop.stop_note(stopped, sum(1 for _, r in results if r.status in (MEASURED, FAILED)))
-    out_of_time = only is not None or timed_out  # a timed-out search is not timed again
+    # measure() (only) and a search past its time limit time nothing again
+    no_retiming = only is not None or timed_out
     for round_ in range(RETIME_ROUNDS):
-        close = [] if out_of_time else _close_call(results)
+        close = [] if no_retiming else _close_call(results)
         if not close:
             break  # no close call, out of time, or the readings so far set the candidates apart
         # the slowest to the best, then the best to the slowest, ...
@@ -432,7 +433,7 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
             # peak their largest, judged again.
             remaining = time_left()
             if not from_rank0(remaining is None or remaining >= last_seconds):
-                out_of_time = True
+                no_retiming = True
                 break
             _say(options, f"search: timing {' + '.join(strategy.opt_names) or '(plain)'} again (a close call)")
             outcome = measure(strategy, result, options.timed_steps, options.dryrun_timeout, remaining)
@@ -695,8 +696,9 @@ def _tie_rule(item) -> tuple:
 
 
 def _clearly_faster(tied: list) -> list:
-    """The tied candidates whose estimated step is within TIE_ESTIMATE of the fastest estimate (all
-    of them when none has an estimate): the tie rule's fewer methods choose among these only."""
+    """The tied candidates whose estimated step is within TIE_ESTIMATE of the fastest estimate: the
+    tie rule's fewer methods choose among these only. A candidate without an estimate stays only
+    when none has one (then all stay)."""
     estimates = [r.estimated_step_seconds for _, r in tied if r.estimated_step_seconds]
     if not estimates:
         return tied
