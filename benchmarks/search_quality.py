@@ -328,6 +328,7 @@ def scenario(name: str, size: Size, spec: Scenario, repeats: int, steps: int, re
     report = SearchReport.load(report_file)
     # what the search measured, beside the exhaustive run's measurements of the same candidates
     ran = [{"strategy": _label(c.strategy, world), "status": c.status, "throughput": c.throughput, "throughputs": c.throughputs,
+            "side_by_side": c.side_by_side,
             "measured_peak_bytes": c.measured_peak_bytes, "estimated_step_seconds": c.estimated_step_seconds,
             "reason": c.reason} for c in report.candidates if c.status in ("measured", "failed")]
     search = {"search_seconds": search_s, "search_times": times, "picks": picks, "search_generated": report.generated,

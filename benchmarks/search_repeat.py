@@ -63,6 +63,7 @@ def searches(name: str, count: int, report_dir: str) -> list[dict]:
                     "measured": [{"strategy": search_quality._label(c.strategy, world), "throughput": c.throughput,
                                   "range": c.throughput_range, "step_seconds": sorted(c.step_seconds or []),
                                   "estimated_step_seconds": c.estimated_step_seconds, "readings": c.throughputs,
+                                  "side_by_side": c.side_by_side,
                                   "config": c.strategy}
                                  for c in sorted(measured, key=lambda c: -c.throughput)]})
     return out
@@ -103,10 +104,11 @@ def markdown(name: str, runs: list[dict], timed: dict[str, float] | None = None)
         lines += [f"{index}. picked {run['pick']}{tied}", ""]
         rows = [[m["strategy"], f"{m['throughput']:.1f}", f"{m['range'][0]:.1f}-{m['range'][1]:.1f}",
                  str(len(m["step_seconds"])), " ".join(f"{s * 1e3:.1f}" for s in m["step_seconds"]),
-                 _estimate_ms(m), " ".join(f"{r:.0f}" for r in m.get("readings") or [m["throughput"]])]
+                 _estimate_ms(m), " ".join(f"{r:.0f}" for r in m.get("readings") or [m["throughput"]]),
+                 f"{m['side_by_side']:.0f}" if m.get("side_by_side") else "-"]
                 for m in run["measured"]]
         lines += [harness.table(["candidate", "median", "range", "steps", "step ms", "estimated ms",
-                                 "readings"], rows), ""]
+                                 "readings", "side by side"], rows), ""]
     if timed:
         fastest = min(timed.values())
         lines += [f"The first search's pick and its ties side by side ({BLOCKS_TEXT}):", "",

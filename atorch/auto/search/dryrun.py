@@ -56,7 +56,7 @@ def train_step(ctx: ModelContext, batches: list) -> None:
         loop.step(ctx.args, ctx.optim)
 
 
-def _draw(ctx: ModelContext, batches) -> list:
+def draw(ctx: ModelContext, batches) -> list:
     """The loader's batches of one optimizer step."""
     return [next(batches) for _ in range(ctx.args.get(loop.ACCUMULATION_STEPS, 1))]
 
@@ -103,7 +103,7 @@ def _free_storage(ctx: ModelContext) -> None:
     free_copy(ctx.model, optimizer_state(optim) if isinstance(optim, torch.optim.Optimizer) else [])
 
 
-def _release(ctx: ModelContext | None, ran: bool = False) -> None:
+def release(ctx: ModelContext | None, ran: bool = False) -> None:
     """Destroy the candidate's groups; then, after a dry run that completed on every rank (no
     collective of the copy can still be in flight), give back its storage."""
     if ctx is not None and ctx.topology.mesh is not None:
@@ -141,9 +141,10 @@ def dry_run(
                         global_batch, stop_after_s)
 
 
-def _dry_run(pristine, strategy, make_context, apply, warmup_steps, timed_steps, timeout_s, global_batch,
-             stop_after_s) -> dict:
-    start = time.perf_counter()
+def build(pristine: torch.nn.Module, strategy: Strategy, make_context: Callable, apply: Callable,
+          start: float) -> tuple[ModelContext | None, str | None]:
+    """``strategy`` applied to a fresh copy of ``pristine`` on every rank: its context, or None and
+    the first rank's error (agreed; what was built is released)."""
     ctx, error, failed_at = None, None, None
     try:
         ctx = make_context(copy.deepcopy(pristine))
@@ -158,19 +159,29 @@ def _dry_run(pristine, strategy, make_context, apply, warmup_steps, timed_steps,
         except Exception as exc:  # noqa: BLE001
             error, failed_at = f"{type(exc).__name__}: {exc}", time.perf_counter() - start
     if error is not None or not ok:
-        _release(ctx)
-        return {"reason": first_error(error, failed_at), "seconds": time.perf_counter() - start}
+        release(ctx)
+        return None, first_error(error, failed_at)
+    return ctx, None
 
+
+def _dry_run(pristine, strategy, make_context, apply, warmup_steps, timed_steps, timeout_s, global_batch,
+             stop_after_s) -> dict:
+    start = time.perf_counter()
+    ctx, reason = build(pristine, strategy, make_context, apply, start)
+    if ctx is None:
+        return {"reason": reason, "seconds": time.perf_counter() - start}
+
+    error = failed_at = None
     elapsed = peak = None
     done, late = 0, False
     step_seconds: list[float] = []  # each timed step's, the slowest rank's clock
     try:
         batches = itertools.cycle(ctx.dataloader) if len(ctx.dataloader) else iter(())
         for _ in range(warmup_steps):
-            train_step(ctx, _draw(ctx, batches))
+            train_step(ctx, draw(ctx, batches))
         t0 = time.perf_counter()
         for _ in range(timed_steps):
-            train_step(ctx, _draw(ctx, batches))
+            train_step(ctx, draw(ctx, batches))
             done += 1
             # Every rank learns the slowest rank's times, so all stop together.
             now = time.perf_counter()
@@ -186,7 +197,7 @@ def _dry_run(pristine, strategy, make_context, apply, warmup_steps, timed_steps,
             for _ in range(PEAK_STEPS if not late else 0):
                 # Drawn before the tracker starts: a sample can be a view of the dataset's whole
                 # storage (a dataset that slices one tensor), which would count as the step's.
-                drawn = _draw(ctx, batches)
+                drawn = draw(ctx, batches)
                 step_peak = _peak_bytes(ctx, functools.partial(train_step, ctx, drawn))
                 peak = None if step_peak is None else max(peak or 0, step_peak)
                 if step_peak is None:
@@ -197,7 +208,7 @@ def _dry_run(pristine, strategy, make_context, apply, warmup_steps, timed_steps,
         error, failed_at = f"{type(exc).__name__}: {exc}", time.perf_counter() - start
     ok = all_ok(error is None)
     peak = max_over_ranks(peak) if ok else None
-    _release(ctx, ran=ok)
+    release(ctx, ran=ok)
     ctx = None
     if not ok:
         return {"reason": first_error(error, failed_at), "seconds": time.perf_counter() - start}

@@ -20,17 +20,21 @@ from atorch.auto.search.calibrate import cached_rates
 from atorch.auto.search.dryrun import collector_frozen, dry_run
 from atorch.auto.search.report import FAILED, MEASURED, PRUNED, CandidateResult, SearchReport, size_text
 from atorch.auto.search.share import run_shared
+from atorch.auto.search.sidebyside import BLOCK_STEPS, BLOCKS, fits_together, time_side_by_side
 from atorch.auto.search.space import candidate_space, layout_space, layout_text
 from atorch.auto.strategy import Strategy
 from atorch.distributed.topology import DATA_PARALLEL_DIMS, data_parallel_size
 from atorch.errors import AtorchConfigError
 from atorch.utils.log import logger, quiet
 
-# Throughputs within this fraction of the best count as a tie, won by the simpler strategy.
+# Throughputs within this fraction of the best count as a tie, won by the simpler strategy. A close
+# call timed side by side (sidebyside.py) ties only within it: side by side, the same pair kept its
+# order over timings 2-5% apart (search_quality.py's picked-against-best, 11 blocks of 5 steps).
 TIE_TOLERANCE = 0.03
-# A candidate whose measured range (its fastest and slowest timed steps, over every dry run) overlaps
-# the best's is tied with it too, if its median is within this fraction of the best's: the
-# readings cannot tell them apart, so a fixed rule (below) decides, and the same job gets the same
+# Where the close call could not be timed side by side (its copies do not fit the device together,
+# or the time left): a candidate whose measured range (its fastest and slowest timed steps, over
+# every dry run) overlaps the best's is tied with it too, if its median is within this fraction
+# of the best's: the readings cannot tell them apart, so a fixed rule (below) decides, and the same job gets the same
 # pick run after run. At 0.10 (until 2026-11-26), candidates within 4-10% of each other side by
 # side read medians 3-20% apart over three dry runs each (4 ranks on 2 cores), and the pick changed
 # with which side of the cap a draw fell: search_quality.py's small (3 of 5 searches the same),
@@ -48,8 +52,8 @@ TIE_CAP = 0.20
 # rates, measured 22% slower), fewer methods still decide.
 TIE_ESTIMATE = 0.10
 # Every runner-up measured within this fraction of the best (up to RETIME_BAND candidates, the best
-# included: the close call) is timed again, and so is the best, in up to RETIME_ROUNDS more fresh
-# dry runs each, in turn from the slowest to the best, then from the best to the slowest (a drift
+# included: the close call) is timed side by side with the best (sidebyside.py); where that cannot
+# run, it is timed again, and so is the best, in up to RETIME_ROUNDS more fresh dry runs each, in turn from the slowest to the best, then from the best to the slowest (a drift
 # of the machine's load weighs on all alike); each keeps the median of its readings, and a round
 # runs only while two candidates are still within the margin. 4 ranks on 2 shared cores, six dry
 # runs each of plain and zero1 data parallelism on search_quality.py's small Llama, alternated,
@@ -423,6 +427,15 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
         report.stopped = stop.stop_note(stopped, sum(1 for _, r in results if r.status in (MEASURED, FAILED)))
     # measure() (only) and a search past its time limit time nothing again
     no_retiming = only is not None or timed_out
+    close = [] if no_retiming else _close_call(results)
+    if close and fits_together([r.measured_peak_bytes for _, r in close], device_ctx.device):
+        # the close call settled side by side; where its copies cannot be alive together, or it
+        # does not fit the time left, or fails, the candidates are timed again one by one (below)
+        need = sum(r.seconds + (BLOCKS * BLOCK_STEPS - options.timed_steps) * global_batch / r.throughput
+                   for _, r in close)
+        remaining = time_left()
+        if from_rank0(remaining is None or remaining >= need):
+            no_retiming = _side_by_side(model, close, make_context, apply, options, global_batch)
     for round_ in range(RETIME_ROUNDS):
         close = [] if no_retiming else _close_call(results)
         if not close:
@@ -661,6 +674,23 @@ def _close_call(results) -> list:
     return close[::-1] if len(close) > 1 else []
 
 
+def _side_by_side(model, close: list, make_context, apply, options: SearchOptions, global_batch: int) -> bool:
+    """Time the close call's candidates side by side (sidebyside.py): each keeps its samples/s
+    there (``side_by_side``), which then decides. Whether it ran."""
+    names = ", ".join(" + ".join(s.opt_names) or "(plain)" for s, _ in close)
+    _say(options, f"search: timing {names} side by side (a close call)")
+    with quiet():
+        outcome = time_side_by_side(model, [s for s, _ in close], make_context, apply, options.warmup_steps,
+                                    options.dryrun_timeout)
+    if outcome["reason"] is not None:
+        logger.info("timing the close call side by side failed (%s); timing its candidates again one by one",
+                    outcome["reason"])
+        return False
+    for (_, result), blocks in zip(close, outcome["block_seconds"]):
+        result.side_by_side = global_batch / statistics.median(blocks)
+    return True
+
+
 def _record(result, outcome: dict, global_batch: int) -> None:
     """A dry run's timed steps added to the candidate's readings: its throughput is the median
     step's, its range the fastest and slowest step's (a slow step, a collector pause, weighs on
@@ -706,7 +736,17 @@ def _clearly_faster(tied: list) -> list:
     return [(s, r) for s, r in tied if r.estimated_step_seconds and r.estimated_step_seconds <= limit]
 
 
+def _timed_together(results) -> list:
+    """The measured candidates timed side by side (none, or two and more)."""
+    together = [(s, r) for s, r in results if r.status == MEASURED and r.side_by_side]
+    return together if len(together) > 1 else []
+
+
 def _tied_set(results) -> list:
+    together = _timed_together(results)
+    if together:  # side by side, only a difference within the tolerance is a tie
+        best = max(r.side_by_side for _, r in together)
+        return [(s, r) for s, r in together if r.side_by_side >= best * (1 - TIE_TOLERANCE)]
     measured = [(s, r) for s, r in results if r.status == MEASURED and r.throughput]
     if not measured:
         return []
@@ -718,6 +758,8 @@ def _pick_winner(results):
     measured = [(s, r) for s, r in results if r.status == MEASURED]
     if not measured:
         return None
+    if _timed_together(results):  # fewer methods, then the faster side by side
+        return min(_tied_set(results), key=lambda item: (len(item[0]), -item[1].side_by_side))
     tied = _clearly_faster(_tied_set(results) or measured)
     return min(tied, key=_tie_rule)  # min keeps the first of equals: the order of generation
 

@@ -27,6 +27,9 @@ class CandidateResult:
     # each dry run's, when it was timed again over more steps (a close call); throughput is then
     # that of all their timed steps
     throughputs: list[float] | None = None
+    # samples/s of its median step when the close call was timed side by side (the candidates
+    # within reach of the best, built together and stepped in turn); the winner is decided on it
+    side_by_side: float | None = None
     # every timed step's seconds (the slowest rank's), over all its dry runs; the throughput is the
     # median step's, throughput_range the slowest and fastest step's (samples/s)
     step_seconds: list[float] | None = None
@@ -167,16 +170,37 @@ class SearchReport:
             return _rate_text(self.global_batch / c.estimated_step_seconds)
         return f"{c.estimated_step_seconds * 1e3:.2f}ms/step"
 
+    def _name(self, index: int) -> str:
+        c = self.candidates[index]
+        return (" + ".join(c.labels) or "(plain)") + (f" [{c.layout}]" if c.layout else "")
+
     def _tie_line(self) -> list[str]:
+        together = sorted((i for i, c in enumerate(self.candidates) if c.status == MEASURED and c.side_by_side),
+                          key=lambda i: -self.candidates[i].side_by_side)
+        if self.winner is not None and len(together) > 1:
+            return self._side_by_side_lines(together)
         if self.winner is None or not self.tied:
             return []
-        others = ", ".join(" + ".join(self.candidates[i].names) or "(plain)" for i in self.tied)
-        winner = " + ".join(self.candidates[self.winner].names) or "(plain)"
+        others = ", ".join(self._name(i) for i in self.tied)
+        winner = self._name(self.winner)
         from atorch.auto.search.engine import TIE_CAP, TIE_ESTIMATE
 
         return [f"winner {winner}: tied with {others} (their step ranges overlap the best's, medians within "
                 f"{TIE_CAP:.0%}); the tie goes to fewer methods among those estimated within {TIE_ESTIMATE:.0%} of "
                 "the fastest, then the faster estimate"]
+
+    def _side_by_side_lines(self, together: list[int]) -> list[str]:
+        from atorch.auto.search.engine import TIE_TOLERANCE
+        from atorch.auto.search.sidebyside import BLOCK_STEPS, BLOCKS
+
+        figures = ", ".join(f"{self._name(i)} {_rate_text(self.candidates[i].side_by_side)}" for i in together)
+        lines = [f"the close call timed side by side ({BLOCKS} turns of {BLOCK_STEPS} steps each, samples/s of the "
+                 f"median turn): {figures}"]
+        if self.tied:
+            others = ", ".join(self._name(i) for i in self.tied)
+            lines.append(f"winner {self._name(self.winner)}: tied with {others} (within {TIE_TOLERANCE:.0%} side by "
+                         "side); the tie goes to fewer methods, then the faster side by side")
+        return lines
 
     def _counts_line(self) -> list[str]:
         if self.generated is None:

@@ -1,0 +1,92 @@
+"""A close call settled side by side: the candidates built together and stepped in interleaved
+blocks, so a drift of the machine's load weighs on all of them alike.
+
+Separate dry runs of one candidate read 3-20% apart on 4 ranks sharing 2 cores, more than two good
+candidates differ, so their readings cannot order them. Built together and stepped block by
+block in turn (A B C, then C B A, ...), the same pairs kept their order: search_quality.py's
+picked-against-best timings (11 blocks of 5 steps) put a 4-stage pipeline 4-10% ahead of plain
+DDP on its small Llama in each of three timings, where the dry runs' medians had it ahead in some
+searches and behind in others.
+
+Every candidate's copy is alive at once, so the search runs this only where they fit together
+(:func:`fits_together`); each rank steps the same candidate at the same time."""
+
+import itertools
+import time
+from collections.abc import Callable
+
+import torch
+
+from atorch.auto.search.agree import agreement_group, all_ok, first_error, max_each
+from atorch.auto.search.dryrun import build, draw, release, train_step
+from atorch.auto.strategy import Strategy
+from atorch.distributed.topology import collective_timeout
+
+# Blocks, and optimizer steps a candidate runs in each: 27 timed steps a candidate in 9 turns.
+BLOCKS = 9
+BLOCK_STEPS = 3
+
+
+def fits_together(peaks: list[int | None], device: torch.device) -> bool:
+    """Whether every candidate's copy can be alive at once: always in a CPU's host memory (the
+    budget there is the job's, not the machine's); on an accelerator, when the measured peaks add
+    up to at most the device's memory less what is in use now."""
+    if device.type == "cpu":
+        return True
+    if any(peak is None for peak in peaks) or device.type != "cuda":
+        return False
+    free, _ = torch.cuda.mem_get_info(device)
+    return sum(peaks) <= free
+
+
+def time_side_by_side(pristine: torch.nn.Module, strategies: list[Strategy], make_context: Callable,
+                      apply: Callable, warmup_steps: int, timeout_s: float) -> dict:
+    """Each of ``strategies`` built on a fresh copy, warmed up, then stepped ``BLOCK_STEPS`` steps
+    a turn for ``BLOCKS`` turns, in order and then in reverse. Returns ``{"reason": None,
+    "block_seconds": [[seconds a step, per block] per strategy], "seconds": ...}`` (the slowest
+    rank's clock), or the first failure's reason; every rank calls it, and every copy is
+    released."""
+    start = time.perf_counter()
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        agreement_group()
+    built: list = []
+    outcome = {"reason": "not built", "seconds": 0.0}
+    try:
+        with collective_timeout(timeout_s):
+            for strategy in strategies:
+                ctx, reason = build(pristine, strategy, make_context, apply, start)
+                if ctx is None:
+                    outcome = {"reason": reason, "seconds": time.perf_counter() - start}
+                    return outcome
+                built.append(ctx)
+            outcome = _blocks(built, warmup_steps, timeout_s, start)
+            return outcome
+    finally:
+        for ctx in built:  # storage given back only where no collective of a copy can be in flight
+            release(ctx, ran=outcome["reason"] is None)
+
+
+def _blocks(built: list, warmup_steps: int, timeout_s: float, start: float) -> dict:
+    error = failed_at = None
+    block_seconds: list[list[float]] = [[] for _ in built]
+    try:
+        loaders = [itertools.cycle(ctx.dataloader) for ctx in built]
+        for ctx, batches in zip(built, loaders):
+            for _ in range(warmup_steps):
+                train_step(ctx, draw(ctx, batches))
+        for block in range(BLOCKS):
+            order = range(len(built)) if block % 2 == 0 else reversed(range(len(built)))
+            for index in order:
+                t0 = time.perf_counter()
+                for _ in range(BLOCK_STEPS):
+                    train_step(built[index], draw(built[index], loaders[index]))
+                now = time.perf_counter()
+                took, since_start = max_each(now - t0, now - start)
+                block_seconds[index].append(took / BLOCK_STEPS)
+                if since_start > timeout_s:
+                    raise TimeoutError(f"timing side by side exceeded the dry run timeout of {timeout_s:.0f}s")
+    except Exception as exc:  # noqa: BLE001 - a failure is agreed and recorded, not raised
+        error, failed_at = f"{type(exc).__name__}: {exc}", time.perf_counter() - start
+    if not all_ok(error is None):
+        return {"reason": first_error(error, failed_at), "seconds": time.perf_counter() - start}
+    return {"reason": None, "block_seconds": block_seconds, "seconds": time.perf_counter() - start}

@@ -1,0 +1,119 @@
+"""A close call is settled side by side (atorch/auto/search/sidebyside.py): the candidates within
+reach of the best are built together and stepped in turns, and their side-by-side figures decide,
+not the dry runs' readings (which read 3-20% apart run to run on a loaded machine)."""
+
+import torch
+import torch.distributed as dist
+
+from atorch.auto.search import engine, sidebyside
+from atorch.auto.search.engine import MEASURED, TIE_TOLERANCE, _pick_winner, _tied
+from atorch.auto.search.report import CandidateResult, SearchReport
+from atorch.auto.strategy import Strategy
+from tests.auto.search.test_retime import _search
+from tests.helpers.dist import run_distributed
+
+
+def _timed(*rows):
+    """(names, dry-run samples/s, side-by-side samples/s or None) -> results."""
+    return [(Strategy(names), CandidateResult(Strategy(names).to_dict(), status=MEASURED, throughput=reading,
+                                              throughput_range=[reading * 0.8, reading * 1.2], side_by_side=together,
+                                              estimated_step_seconds=0.01))
+            for names, reading, together in rows]
+
+
+def test_side_by_side_decides_over_the_readings_and_the_method_count():
+    # zero1 read faster in its dry runs and has fewer methods; side by side the other is 7% ahead
+    results = _timed((["zero1"], 140.0, 130.0), (["checkpoint", "zero1"], 120.0, 130.0 * 1.07))
+    assert _pick_winner(results)[0].opt_names == ["checkpoint", "zero1"]
+    assert _tied(results, _pick_winner(results)) == []
+
+
+def test_within_the_tolerance_side_by_side_fewer_methods_win_then_the_faster():
+    near = 130.0 * (1 + TIE_TOLERANCE / 2)
+    results = _timed((["zero1"], 120.0, 130.0), (["checkpoint", "zero1"], 140.0, near))
+    winner = _pick_winner(results)
+    assert winner[0].opt_names == ["zero1"]
+    assert _tied(results, winner) == [results[1][1]]
+    same_count = _timed((["zero1"], 140.0, 130.0), (["zero2"], 120.0, near))
+    assert _pick_winner(same_count)[0].opt_names == ["zero2"]  # not the estimate, not the readings
+
+
+def test_a_candidate_not_timed_side_by_side_cannot_win_against_those_that_were():
+    results = _timed((["zero1"], 100.0, 100.0), (["zero2"], 99.0, 98.0), (["fsdp"], 101.0, None))
+    assert _pick_winner(results)[0].opt_names == ["zero1"]
+
+
+def test_a_search_settles_its_close_call_side_by_side(tmp_path, monkeypatch):
+    monkeypatch.setattr(engine, "RETIME_MARGIN", 1.0)  # every runner-up is close
+    report = _search(tmp_path)
+    together = [c for c in report.candidates if c.side_by_side]
+    band = min(engine.RETIME_BAND, sum(c.status == MEASURED for c in report.candidates))
+    assert band >= 3 and len(together) == band, report.table()
+    assert not any(c.throughputs for c in report.candidates)  # side by side instead of dry runs again
+    winner = report.candidates[report.winner]
+    assert winner in together
+    fastest = max(c.side_by_side for c in together)
+    tied = [c for c in together if c.side_by_side >= fastest * (1 - TIE_TOLERANCE)]
+    assert winner is min(tied, key=lambda c: (len(c.names), -c.side_by_side))
+    assert "timed side by side" in report.table()
+    assert SearchReport.from_dict(report.to_dict()).candidates[report.winner].side_by_side == winner.side_by_side
+
+
+def test_where_the_copies_cannot_be_alive_together_the_close_call_is_timed_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(engine, "RETIME_MARGIN", 1.0)
+    monkeypatch.setattr(engine, "fits_together", lambda peaks, device: False)
+    report = _search(tmp_path)
+    assert not any(c.side_by_side for c in report.candidates)
+    assert [c for c in report.candidates if c.throughputs]
+
+
+def test_on_a_gpu_the_copies_must_fit_the_free_memory_together():
+    assert sidebyside.fits_together([2**40, 2**40], torch.device("cpu"))  # a CPU's host memory
+    assert not sidebyside.fits_together([1, None], torch.device("cuda"))  # a peak not measured
+    assert not sidebyside.fits_together([1, 1], torch.device("meta"))
+
+
+def _time_two(fail_on_rank: int | None) -> dict:
+    from atorch.auto.accelerate import apply_strategy
+    from atorch.auto.context import ModelContext, move_to_device
+    from atorch.auto.environment import DeviceContext
+    from atorch.auto.plan import plan_strategy
+    from atorch.auto.search.agree import agreement_group
+    from atorch.auto.strategy import parse_strategy
+    from tests.pipeline.models import BATCH, ChainData, chain_loss, chain_model
+
+    device_ctx = DeviceContext.detect()
+
+    def loss(batch, output):
+        if dist.get_rank() == fail_on_rank:
+            raise RuntimeError(f"the loss broke on rank {fail_on_rank}")
+        return chain_loss(batch, output)
+
+    def make_context(module):
+        return ModelContext(model=module, device_ctx=device_ctx, optim_func=torch.optim.SGD, dataset=ChainData(),
+                            loss_func=loss, optim_args={"lr": 0.1}, dataloader_args={"batch_size": BATCH},
+                            model_input_format="unpack_dict", prepare_input=move_to_device)
+
+    # pipelines (a stage that fails closes its groups, so its peer leaves at once), each with groups of its own
+    strategies = [plan_strategy(parse_strategy([("parallel_mode", ([("pipeline", 2)], None)),
+                                                ("pipeline_parallel", {"num_microbatches": n})]), device_ctx)[0]
+                  for n in (2, 4)]
+    agreement_group()  # the search's own, kept for its agreements
+    before = len(dist.distributed_c10d._world.pg_map)
+    outcome = sidebyside.time_side_by_side(chain_model(), strategies, make_context, apply_strategy, 1, 60.0)
+    outcome["groups_left"] = len(dist.distributed_c10d._world.pg_map) - before
+    return outcome
+
+
+def test_two_candidates_side_by_side_on_two_ranks_agree_on_every_block():
+    first, second = run_distributed(_time_two, 2, None, timeout_s=120)
+    assert first["reason"] is None and first["block_seconds"] == second["block_seconds"]
+    assert [len(b) for b in first["block_seconds"]] == [sidebyside.BLOCKS] * 2
+    assert all(t > 0 for blocks in first["block_seconds"] for t in blocks)
+    assert first["groups_left"] == second["groups_left"] == 0  # the copies' groups are destroyed
+
+
+def test_a_candidate_failing_on_one_rank_side_by_side_is_agreed_on_every_rank():
+    for rank, outcome in enumerate(run_distributed(_time_two, 2, 1, timeout_s=120)):
+        assert outcome["reason"].startswith("rank 1: ") and "the loss broke on rank 1" in outcome["reason"], rank
+        assert outcome["seconds"] < 30.0, (rank, outcome)
