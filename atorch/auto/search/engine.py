@@ -20,16 +20,16 @@ from atorch.auto.search.calibrate import cached_rates
 from atorch.auto.search.dryrun import collector_frozen, dry_run
 from atorch.auto.search.report import FAILED, MEASURED, PRUNED, CandidateResult, SearchReport, size_text
 from atorch.auto.search.share import run_shared
-from atorch.auto.search.sidebyside import BLOCK_STEPS, BLOCKS, fits_together, time_side_by_side
+from atorch.auto.search.sidebyside import MAX_TURNS, TURN_STEPS, fits_together, time_side_by_side
+from atorch.auto.search.sidebyside import TIE as SIDE_BY_SIDE_TIE
 from atorch.auto.search.space import candidate_space, layout_space, layout_text
 from atorch.auto.strategy import Strategy
 from atorch.distributed.topology import DATA_PARALLEL_DIMS, data_parallel_size
 from atorch.errors import AtorchConfigError
 from atorch.utils.log import logger, quiet
 
-# Throughputs within this fraction of the best count as a tie, won by the simpler strategy. A close
-# call timed side by side (sidebyside.py) ties only within it: side by side, the same pair kept its
-# order over timings 2-5% apart (search_quality.py's picked-against-best, 11 blocks of 5 steps).
+# Throughputs within this fraction of the best count as a tie, won by the simpler strategy (a close
+# call timed side by side: sidebyside.TIE).
 TIE_TOLERANCE = 0.03
 # Where the close call could not be timed side by side (its copies do not fit the device together,
 # or the time left): a candidate whose measured range (its fastest and slowest timed steps, over
@@ -431,7 +431,7 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
     if close and fits_together([r.measured_peak_bytes for _, r in close], device_ctx.device):
         # the close call settled side by side; where its copies cannot be alive together, or it
         # does not fit the time left, or fails, the candidates are timed again one by one (below)
-        need = sum(r.seconds + (BLOCKS * BLOCK_STEPS - options.timed_steps) * global_batch / r.throughput
+        need = sum(r.seconds + (MAX_TURNS * TURN_STEPS - options.timed_steps) * global_batch / r.throughput
                    for _, r in close)
         remaining = time_left()
         if from_rank0(remaining is None or remaining >= need):
@@ -686,8 +686,9 @@ def _side_by_side(model, close: list, make_context, apply, options: SearchOption
         logger.info("timing the close call side by side failed (%s); timing its candidates again one by one",
                     outcome["reason"])
         return False
-    for (_, result), blocks in zip(close, outcome["block_seconds"]):
-        result.side_by_side = global_batch / statistics.median(blocks)
+    for (_, result), turns in zip(close, outcome["turn_seconds"]):
+        result.side_by_side = global_batch / statistics.median(turns)
+        result.side_by_side_seconds = turns
     return True
 
 
@@ -746,7 +747,7 @@ def _tied_set(results) -> list:
     together = _timed_together(results)
     if together:  # side by side, only a difference within the tolerance is a tie
         best = max(r.side_by_side for _, r in together)
-        return [(s, r) for s, r in together if r.side_by_side >= best * (1 - TIE_TOLERANCE)]
+        return [(s, r) for s, r in together if r.side_by_side >= best * (1 - SIDE_BY_SIDE_TIE)]
     measured = [(s, r) for s, r in results if r.status == MEASURED and r.throughput]
     if not measured:
         return []

@@ -30,6 +30,7 @@ class CandidateResult:
     # samples/s of its median step when the close call was timed side by side (the candidates
     # within reach of the best, built together and stepped in turn); the winner is decided on it
     side_by_side: float | None = None
+    side_by_side_seconds: list[float] | None = None  # each of its turns there, seconds a step
     # every timed step's seconds (the slowest rank's), over all its dry runs; the throughput is the
     # median step's, throughput_range the slowest and fastest step's (samples/s)
     step_seconds: list[float] | None = None
@@ -70,8 +71,10 @@ class SearchReport:
     # Which rates the step-time estimates used: calibrated on this machine (and where from), or
     # nominal and why (see atorch/auto/search/calibrate.py); None in reports from before.
     rates: str | None = None
-    # Measured candidates the winner was tied with (indexes): their readings could not be told
-    # apart from the best's, and the tie rule (fewer methods, then the estimate) picked the winner.
+    # Measured candidates the winner was tied with (indexes): within 3% of the fastest side by
+    # side (fewer methods, then the faster there, picked the winner), or, where the close call was
+    # timed one by one, readings that could not be told apart from the best's (fewer methods among
+    # those estimated near the fastest, then the estimate).
     tied: list[int] | None = None
     # The global batch (samples per step): estimated step times are shown as samples/s with it.
     global_batch: int | None = None
@@ -140,7 +143,9 @@ class SearchReport:
                 f", {self.search_seconds:.1f}s", "")
         rates = [f"step times estimated at {self.rates}"] if self.rates else []
         legend = ["* the pick; samples/s: the median timed step's (the slowest-fastest step's); est.: the cost "
-                  "model's samples/s; peak: measured, per rank"]
+                  "model's samples/s; peak: measured, per rank"
+                  + ("; a close call timed side by side is decided there (the line under the header)"
+                     if any(c.side_by_side for c in self.candidates) else "")]
         hidden = [] if all_rows else self._pruned_lines(set(shown), width)
         stopped = [self.stopped] if self.stopped else []
         top = [wrapped for line in (head, *self._counts_line(), *stopped, *rates, *self._tie_line())
@@ -190,15 +195,15 @@ class SearchReport:
                 "the fastest, then the faster estimate"]
 
     def _side_by_side_lines(self, together: list[int]) -> list[str]:
-        from atorch.auto.search.engine import TIE_TOLERANCE
-        from atorch.auto.search.sidebyside import BLOCK_STEPS, BLOCKS
+        from atorch.auto.search.sidebyside import TIE, TURN_STEPS
 
-        figures = ", ".join(f"{self._name(i)} {_rate_text(self.candidates[i].side_by_side)}" for i in together)
-        lines = [f"the close call timed side by side ({BLOCKS} turns of {BLOCK_STEPS} steps each, samples/s of the "
+        figures = ", ".join(f"{self._name(i)} {_rate_text(self.candidates[i].side_by_side)} "
+                            f"({len(self.candidates[i].side_by_side_seconds or ())} turns)" for i in together)
+        lines = [f"the close call timed side by side (turns of {TURN_STEPS} steps in turn; samples/s of the "
                  f"median turn): {figures}"]
         if self.tied:
             others = ", ".join(self._name(i) for i in self.tied)
-            lines.append(f"winner {self._name(self.winner)}: tied with {others} (within {TIE_TOLERANCE:.0%} side by "
+            lines.append(f"winner {self._name(self.winner)}: tied with {others} (within {TIE:.0%} side by "
                          "side); the tie goes to fewer methods, then the faster side by side")
         return lines
 

@@ -12,6 +12,7 @@ Every candidate's copy is alive at once, so the search runs this only where they
 (:func:`fits_together`); each rank steps the same candidate at the same time."""
 
 import itertools
+import statistics
 import time
 from collections.abc import Callable
 
@@ -22,9 +23,20 @@ from atorch.auto.search.dryrun import build, draw, release, train_step
 from atorch.auto.strategy import Strategy
 from atorch.distributed.topology import collective_timeout
 
-# Blocks, and optimizer steps a candidate runs in each: 27 timed steps a candidate in 9 turns.
-BLOCKS = 9
-BLOCK_STEPS = 3
+# Optimizer steps a candidate runs a turn; turns each candidate takes at least and at most. From
+# MIN_TURNS on, a candidate whose median turn is more than NEAR behind the fastest's takes no more
+# turns, and the timing ends when one is left: candidates far apart are told apart in a few turns,
+# candidates a few percent apart get every turn (search_quality.py's gpt2-tied and bert: plain and
+# zero1 data parallelism 4-7% apart in 9 turns, the pick 3 of 5 the same).
+TURN_STEPS = 3
+MIN_TURNS, MAX_TURNS = 6, 18
+NEAR = 0.10
+# Candidates within this fraction of the fastest side by side are a tie, which goes to fewer
+# methods, then to the faster there. Side by side, search_quality.py's candidates that differ at
+# all read 4-7% apart or more (zero1 against plain data parallelism on bert and gpt2-tied, a
+# 4-stage pipeline against zero1 on memory-bound and against plain on small); a tie this narrow
+# leaves those to the measurement and still gives candidates that cannot be told apart the same pick.
+TIE = 0.02
 
 
 def fits_together(peaks: list[int | None], device: torch.device) -> bool:
@@ -41,11 +53,11 @@ def fits_together(peaks: list[int | None], device: torch.device) -> bool:
 
 def time_side_by_side(pristine: torch.nn.Module, strategies: list[Strategy], make_context: Callable,
                       apply: Callable, warmup_steps: int, timeout_s: float) -> dict:
-    """Each of ``strategies`` built on a fresh copy, warmed up, then stepped ``BLOCK_STEPS`` steps
-    a turn for ``BLOCKS`` turns, in order and then in reverse. Returns ``{"reason": None,
-    "block_seconds": [[seconds a step, per block] per strategy], "seconds": ...}`` (the slowest
-    rank's clock), or the first failure's reason; every rank calls it, and every copy is
-    released."""
+    """Each of ``strategies`` built on a fresh copy, warmed up, then stepped ``TURN_STEPS`` steps
+    a turn, in order and then in reverse, for ``MIN_TURNS`` to ``MAX_TURNS`` turns (see NEAR).
+    Returns ``{"reason": None, "turn_seconds": [[seconds a step, per turn] per strategy],
+    "seconds": ...}`` (the slowest rank's clock), or the first failure's reason; every rank calls
+    it, and every copy is released."""
     start = time.perf_counter()
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         agreement_group()
@@ -59,34 +71,49 @@ def time_side_by_side(pristine: torch.nn.Module, strategies: list[Strategy], mak
                     outcome = {"reason": reason, "seconds": time.perf_counter() - start}
                     return outcome
                 built.append(ctx)
-            outcome = _blocks(built, warmup_steps, timeout_s, start)
+            outcome = _timed(built, warmup_steps, timeout_s, start)
             return outcome
     finally:
         for ctx in built:  # storage given back only where no collective of a copy can be in flight
             release(ctx, ran=outcome["reason"] is None)
 
 
-def _blocks(built: list, warmup_steps: int, timeout_s: float, start: float) -> dict:
+def _timed(built: list, warmup_steps: int, timeout_s: float, start: float) -> dict:
     error = failed_at = None
-    block_seconds: list[list[float]] = [[] for _ in built]
+    seconds: list[list[float]] = [[] for _ in built]
     try:
         loaders = [itertools.cycle(ctx.dataloader) for ctx in built]
         for ctx, batches in zip(built, loaders):
             for _ in range(warmup_steps):
                 train_step(ctx, draw(ctx, batches))
-        for block in range(BLOCKS):
-            order = range(len(built)) if block % 2 == 0 else reversed(range(len(built)))
-            for index in order:
+        active = list(range(len(built)))
+        for turn in range(MAX_TURNS):
+            for index in active if turn % 2 == 0 else active[::-1]:
                 t0 = time.perf_counter()
-                for _ in range(BLOCK_STEPS):
+                for _ in range(TURN_STEPS):
                     train_step(built[index], draw(built[index], loaders[index]))
                 now = time.perf_counter()
-                took, since_start = max_each(now - t0, now - start)
-                block_seconds[index].append(took / BLOCK_STEPS)
+                took, since_start = max_each(now - t0, now - start)  # the same on every rank
+                seconds[index].append(took / TURN_STEPS)
                 if since_start > timeout_s:
                     raise TimeoutError(f"timing side by side exceeded the dry run timeout of {timeout_s:.0f}s")
+            if turn + 1 >= MIN_TURNS:
+                active = still_near(seconds, active)
+                if len(active) < 2:
+                    break
     except Exception as exc:  # noqa: BLE001 - a failure is agreed and recorded, not raised
         error, failed_at = f"{type(exc).__name__}: {exc}", time.perf_counter() - start
     if not all_ok(error is None):
         return {"reason": first_error(error, failed_at), "seconds": time.perf_counter() - start}
-    return {"reason": None, "block_seconds": block_seconds, "seconds": time.perf_counter() - start}
+    return {"reason": None, "turn_seconds": seconds, "seconds": time.perf_counter() - start}
+
+
+def still_near(seconds: list[list[float]], active: list[int]) -> list[int]:
+    """The ``active`` candidates whose median turn is within NEAR of the fastest median turn.
+
+    >>> still_near([[1.0, 1.0], [1.05, 1.05], [1.2, 1.2]], [0, 1, 2])
+    [0, 1]
+    """
+    medians = {i: statistics.median(seconds[i]) for i in active}
+    fastest = min(medians.values())
+    return [i for i in active if medians[i] <= fastest * (1 + NEAR)]

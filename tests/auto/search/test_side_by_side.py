@@ -6,8 +6,9 @@ import torch
 import torch.distributed as dist
 
 from atorch.auto.search import engine, sidebyside
-from atorch.auto.search.engine import MEASURED, TIE_TOLERANCE, _pick_winner, _tied
+from atorch.auto.search.engine import MEASURED, _pick_winner, _tied
 from atorch.auto.search.report import CandidateResult, SearchReport
+from atorch.auto.search.sidebyside import TIE
 from atorch.auto.strategy import Strategy
 from tests.auto.search.test_retime import _search
 from tests.helpers.dist import run_distributed
@@ -29,7 +30,7 @@ def test_side_by_side_decides_over_the_readings_and_the_method_count():
 
 
 def test_within_the_tolerance_side_by_side_fewer_methods_win_then_the_faster():
-    near = 130.0 * (1 + TIE_TOLERANCE / 2)
+    near = 130.0 * (1 + TIE / 2)
     results = _timed((["zero1"], 120.0, 130.0), (["checkpoint", "zero1"], 140.0, near))
     winner = _pick_winner(results)
     assert winner[0].opt_names == ["zero1"]
@@ -53,7 +54,7 @@ def test_a_search_settles_its_close_call_side_by_side(tmp_path, monkeypatch):
     winner = report.candidates[report.winner]
     assert winner in together
     fastest = max(c.side_by_side for c in together)
-    tied = [c for c in together if c.side_by_side >= fastest * (1 - TIE_TOLERANCE)]
+    tied = [c for c in together if c.side_by_side >= fastest * (1 - TIE)]
     assert winner is min(tied, key=lambda c: (len(c.names), -c.side_by_side))
     assert "timed side by side" in report.table()
     assert SearchReport.from_dict(report.to_dict()).candidates[report.winner].side_by_side == winner.side_by_side
@@ -65,6 +66,13 @@ def test_where_the_copies_cannot_be_alive_together_the_close_call_is_timed_again
     report = _search(tmp_path)
     assert not any(c.side_by_side for c in report.candidates)
     assert [c for c in report.candidates if c.throughputs]
+
+
+def test_a_candidate_far_behind_side_by_side_stops_taking_turns():
+    near, far = 1.0 + sidebyside.NEAR / 2, 1.0 + 2 * sidebyside.NEAR
+    seconds = [[1.0, 1.1, 0.9], [near] * 3, [far, 0.9, far], [far] * 3]
+    assert sidebyside.still_near(seconds, [0, 1, 2, 3]) == [0, 1]  # medians, not single turns
+    assert sidebyside.still_near(seconds, [2, 3]) == [2, 3]  # the fastest of those still taking turns
 
 
 def test_on_a_gpu_the_copies_must_fit_the_free_memory_together():
@@ -107,9 +115,10 @@ def _time_two(fail_on_rank: int | None) -> dict:
 
 def test_two_candidates_side_by_side_on_two_ranks_agree_on_every_block():
     first, second = run_distributed(_time_two, 2, None, timeout_s=120)
-    assert first["reason"] is None and first["block_seconds"] == second["block_seconds"]
-    assert [len(b) for b in first["block_seconds"]] == [sidebyside.BLOCKS] * 2
-    assert all(t > 0 for blocks in first["block_seconds"] for t in blocks)
+    assert first["reason"] is None and first["turn_seconds"] == second["turn_seconds"]
+    turns = [len(t) for t in first["turn_seconds"]]
+    assert sidebyside.MIN_TURNS <= min(turns) and max(turns) <= sidebyside.MAX_TURNS, turns
+    assert all(t > 0 for each in first["turn_seconds"] for t in each)
     assert first["groups_left"] == second["groups_left"] == 0  # the copies' groups are destroyed
 
 
