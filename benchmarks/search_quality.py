@@ -311,27 +311,31 @@ def scenario(name: str, size: Size, spec: Scenario, repeats: int, steps: int, re
                 "fits": "-", "note": "no candidate fits the budget"}
     best = max(fitting, key=lambda c: c["throughput"])
 
-    report_file = f"{report_dir}/{name}.json"
     picks, times = [], []
-    for _ in range(searches):  # the first search's pick, report and time are the scenario's
+    for index in range(searches):  # the first search's pick, report and time are the scenario's
         start = time.perf_counter()
         with quiet():
             found = auto_accelerate(build(), torch.optim.AdamW, data(), work.loss_func, memory_budget=budget,
                                     excluded=excluded, use_search_cache=False, dryrun_steps=3,
-                                    report_file=report_file if not picks else None, **job)
+                                    report_file=f"{report_dir}/{name}{index}.json", **job)
         times.append(_agreed_seconds(start))
         picks.append(None if not found[0] else _label(found[2].to_dict(), world))
         if len(picks) == 1:
             status, _, picked = found
     search_s = times[0]
-    dist.barrier()  # rank 0 has written the report
-    report = SearchReport.load(report_file)
+    dist.barrier()  # rank 0 has written the reports
+    reports = [SearchReport.load(f"{report_dir}/{name}{index}.json") for index in range(searches)]
+    report = reports[0]
     # what the search measured, beside the exhaustive run's measurements of the same candidates
     ran = [{"strategy": _label(c.strategy, world), "status": c.status, "throughput": c.throughput, "throughputs": c.throughputs,
             "side_by_side": c.side_by_side,
             "measured_peak_bytes": c.measured_peak_bytes, "estimated_step_seconds": c.estimated_step_seconds,
             "reason": c.reason} for c in report.candidates if c.status in ("measured", "failed")]
+    # each search's close call side by side: samples/s of each candidate's median turn, and its turns
+    side_by_side = [{_label(c.strategy, world): {"samples_per_s": c.side_by_side, "turn_seconds": c.side_by_side_seconds}
+                     for c in each.candidates if c.side_by_side} for each in reports]
     search = {"search_seconds": search_s, "search_times": times, "picks": picks, "search_generated": report.generated,
+              "search_side_by_side": side_by_side,
               "search_dry_run": report.dry_run, "search_stopped": report.stopped,
               "search_pruned": report.pruned, "search_note": report.note, "search_ran": ran}
     winner = None if report.winner is None else report.candidates[report.winner]
