@@ -15,7 +15,7 @@ from atorch.auto.environment import DeviceContext
 from atorch.auto.plan import each_drop_once, resolve_strategy
 from atorch.auto.registry import all_methods, get_method
 from atorch.auto.search import cost, stop
-from atorch.auto.search.agree import agreed, from_rank0, set_timeout
+from atorch.auto.search.agree import agreed, all_ok, from_rank0, set_timeout
 from atorch.auto.search.calibrate import cached_rates
 from atorch.auto.search.dryrun import collector_frozen, dry_run
 from atorch.auto.search.report import FAILED, MEASURED, PRUNED, CandidateResult, SearchReport, size_text
@@ -34,10 +34,10 @@ TIE_TOLERANCE = 0.03
 # Where the close call could not be timed side by side (its copies do not fit the device together,
 # or the time left): a candidate whose measured range (its fastest and slowest timed steps, over
 # every dry run) overlaps the best's is tied with it too, if its median is within this fraction
-# of the best's: the readings cannot tell them apart, so a fixed rule (below) decides, and the same job gets the same
-# pick run after run. At 0.10 (until 2026-11-26), candidates within 4-10% of each other side by
-# side read medians 3-20% apart over three dry runs each (4 ranks on 2 cores), and the pick changed
-# with which side of the cap a draw fell: search_quality.py's small (3 of 5 searches the same),
+# of the best's: the readings cannot tell them apart, so a fixed rule (below) decides, and the
+# same job gets the same pick run after run. At 0.10 (until 2026-11-26), candidates within 4-10%
+# of each other side by side read medians 3-20% apart over three dry runs each (4 ranks on 2
+# cores), and the pick changed with which side of the cap a draw fell: search_quality.py's small (3 of 5 searches the same),
 # bert (3 of 5), gpt2-tied, memory-bound and deep-narrow (4 of 5). Tying only where three readings
 # a candidate overlapped did no better (deep-narrow 3 of 5, bert 3 of 5). The cost: a candidate up
 # to 20% faster in the readings can lose a tie to one that is simpler or clearly estimated faster.
@@ -53,8 +53,9 @@ TIE_CAP = 0.20
 TIE_ESTIMATE = 0.10
 # Every runner-up measured within this fraction of the best (up to RETIME_BAND candidates, the best
 # included: the close call) is timed side by side with the best (sidebyside.py); where that cannot
-# run, it is timed again, and so is the best, in up to RETIME_ROUNDS more fresh dry runs each, in turn from the slowest to the best, then from the best to the slowest (a drift
-# of the machine's load weighs on all alike); each keeps the median of its readings, and a round
+# run, it is timed again, and so is the best, in up to RETIME_ROUNDS more fresh dry runs each, in
+# turn from the slowest to the best, then from the best to the slowest (a drift of the machine's
+# load weighs on all alike); each keeps the median of its readings, and a round
 # runs only while two candidates are still within the margin. 4 ranks on 2 shared cores, six dry
 # runs each of plain and zero1 data parallelism on search_quality.py's small Llama, alternated,
 # measured 109-133 and 110-141 samples/s (max/min 1.22 and 1.28; the slowest rank's steps within
@@ -428,13 +429,14 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
     # measure() (only) and a search past its time limit time nothing again
     no_retiming = only is not None or timed_out
     close = [] if no_retiming else _close_call(results)
-    if close and fits_together([r.measured_peak_bytes for _, r in close], device_ctx.device):
-        # the close call settled side by side; where its copies cannot be alive together, or it
-        # does not fit the time left, or fails, the candidates are timed again one by one (below)
+    if close:
+        # the close call settled side by side; where its copies cannot be alive together on every
+        # rank, or it does not fit the time left, or fails, they are timed again one by one (below)
         need = sum(r.seconds + (MAX_TURNS * TURN_STEPS - options.timed_steps) * global_batch / r.throughput
                    for _, r in close)
         remaining = time_left()
-        if from_rank0(remaining is None or remaining >= need):
+        fits = all_ok(fits_together([r.measured_peak_bytes for _, r in close], device_ctx.device))
+        if fits and from_rank0(remaining is None or remaining >= need):
             no_retiming = _side_by_side(model, close, make_context, apply, options, global_batch)
     for round_ in range(RETIME_ROUNDS):
         close = [] if no_retiming else _close_call(results)

@@ -126,3 +126,25 @@ def test_a_candidate_failing_on_one_rank_side_by_side_is_agreed_on_every_rank():
     for rank, outcome in enumerate(run_distributed(_time_two, 2, 1, timeout_s=120)):
         assert outcome["reason"].startswith("rank 1: ") and "the loss broke on rank 1" in outcome["reason"], rank
         assert outcome["seconds"] < 30.0, (rank, outcome)
+
+
+def _search_where_rank_1_lacks_memory(path: str) -> list:
+    from tests.auto.search.test_search import FAST, search_and_train
+
+    saved = engine.RETIME_MARGIN, engine.fits_together
+    engine.RETIME_MARGIN = 1.0  # every runner-up is close
+    if dist.get_rank() == 1:  # this rank's device could not hold the copies together
+        engine.fits_together = lambda peaks, device: False
+    try:
+        search_and_train(path, steps=1, use_search_cache=False, max_dryruns=3, **FAST)
+    finally:
+        engine.RETIME_MARGIN, engine.fits_together = saved
+    report = SearchReport.load(path)
+    return [(c.side_by_side, c.throughputs) for c in report.candidates if c.status == MEASURED]
+
+
+def test_every_rank_must_hold_the_copies_together_or_none_times_them_side_by_side(tmp_path):
+    first, second = run_distributed(_search_where_rank_1_lacks_memory, 2, str(tmp_path / "report.json"))
+    assert first == second
+    assert not any(together for together, _ in first)  # one by one on both ranks, no hang
+    assert any(readings for _, readings in first)
