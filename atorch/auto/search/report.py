@@ -71,7 +71,7 @@ class SearchReport:
     # Which rates the step-time estimates used: calibrated on this machine (and where from), or
     # nominal and why (see atorch/auto/search/calibrate.py); None in reports from before.
     rates: str | None = None
-    # Measured candidates the winner was tied with (indexes): within 5% of the fastest side by
+    # Measured candidates the winner was tied with (indexes): within 2% of the fastest side by
     # side (fewer methods, then the faster there, picked the winner), or, where the close call was
     # timed one by one, readings that could not be told apart from the best's (fewer methods among
     # those estimated near the fastest, then the estimate).
