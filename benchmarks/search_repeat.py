@@ -7,8 +7,9 @@ column of search_quality.py counts, with the readings that decided it.
 Searches a scenario of benchmarks/search_quality.py (its model, data and budget rule) on 4 gloo
 ranks, no search cache, 3 timed steps a dry run as search_quality gives it; no exhaustive run,
 so a budget rule that needs the exhaustive run's peaks is not supported (``small``, ``bert`` and
-``gpt2-tied`` have none). Each measured candidate's row gives its estimated step and its readings
-(one a dry run: its median step's samples/s; several for a close call, timed again). With
+``gpt2-tied`` have none). Each measured candidate's row gives its estimated step, its readings
+(one a dry run: its median step's samples/s; several for a close call timed again one by one)
+and, for a close call timed side by side in the search, its samples/s there. With
 ``--side-by-side N`` the first search's pick and the candidates it was tied with are then timed
 against each other in N interleaved blocks of 5 steps: how far apart a tie's members really are.
 Writes benchmarks/results/search_repeat_<scenario>.{json,md}.

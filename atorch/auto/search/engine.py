@@ -435,7 +435,8 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
         need = sum(r.seconds + (MAX_TURNS * TURN_STEPS - options.timed_steps) * global_batch / r.throughput
                    for _, r in close)
         remaining = time_left()
-        fits = all_ok(fits_together([r.measured_peak_bytes for _, r in close], device_ctx.device))
+        fits = all_ok(fits_together([r.measured_peak_bytes for _, r in close], device_ctx.device,
+                                    device_ctx.local_world_size))
         if fits and from_rank0(remaining is None or remaining >= need):
             no_retiming = _side_by_side(model, close, make_context, apply, options, global_batch)
     for round_ in range(RETIME_ROUNDS):

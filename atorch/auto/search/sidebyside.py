@@ -8,10 +8,11 @@ picked-against-best timings (11 blocks of 5 steps) put a 4-stage pipeline 4-10% 
 DDP on its small Llama in each of three timings, where the dry runs' medians had it ahead in some
 searches and behind in others.
 
-Every candidate's copy is alive at once, so the search runs this only where they fit together
-(:func:`fits_together`); each rank steps the same candidate at the same time."""
+Every candidate's copy is alive at once, so the search runs this only where they fit together on
+every rank (:func:`fits_together`); each rank steps the same candidate at the same time."""
 
 import itertools
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -42,16 +43,35 @@ NEAR = 0.10
 TIE = 0.02
 
 
-def fits_together(peaks: list[int | None], device: torch.device) -> bool:
-    """Whether every candidate's copy can be alive at once: always in a CPU's host memory (the
-    budget there is the job's, not the machine's); on an accelerator, when the measured peaks add
-    up to at most the device's memory less what is in use now."""
-    if device.type == "cpu":
-        return True
-    if any(peak is None for peak in peaks) or device.type != "cuda":
+def fits_together(peaks: list[int | None], device: torch.device, local_world: int = 1) -> bool:
+    """Whether every candidate's copy can be alive at once on this rank: their measured peaks add
+    up to at most what is free now (a GPU's free memory; a CPU's available host memory shared by
+    the node's ``local_world`` ranks). A peak not measured, or a device of another kind: no."""
+    if not peaks or any(peak is None for peak in peaks):
         return False
-    free, _ = torch.cuda.mem_get_info(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    elif device.type == "cpu":
+        free = available_host_memory() // max(local_world, 1)
+    else:
+        return False
     return sum(peaks) <= free
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory available now (Linux's MemAvailable: free pages and the page cache
+    that can be given back), or the free pages where that is not known; 0 when neither is."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def time_side_by_side(pristine: torch.nn.Module, strategies: list[Strategy], make_context: Callable,

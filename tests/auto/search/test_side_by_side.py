@@ -75,9 +75,13 @@ def test_a_candidate_far_behind_side_by_side_stops_taking_turns():
     assert sidebyside.still_near(seconds, [2, 3]) == [2, 3]  # the fastest of those still taking turns
 
 
-def test_on_a_gpu_the_copies_must_fit_the_free_memory_together():
-    assert sidebyside.fits_together([2**40, 2**40], torch.device("cpu"))  # a CPU's host memory
-    assert not sidebyside.fits_together([1, None], torch.device("cuda"))  # a peak not measured
+def test_the_copies_must_fit_the_free_memory_together():
+    free = sidebyside.available_host_memory()
+    assert free > 0
+    assert sidebyside.fits_together([free // 8, free // 8], torch.device("cpu"))
+    assert not sidebyside.fits_together([free // 6, free // 6], torch.device("cpu"), local_world=4)  # a quarter each
+    assert not sidebyside.fits_together([free, free], torch.device("cpu"))
+    assert not sidebyside.fits_together([1, None], torch.device("cpu"))  # a peak not measured
     assert not sidebyside.fits_together([1, 1], torch.device("meta"))
 
 
