@@ -59,7 +59,7 @@ def test_a_search_times_a_close_call_again_and_keeps_the_median_step(tmp_path, m
     # Every runner-up counts as close here, so the search re-times: one by one, as where the
     # candidates' copies cannot be alive together (tests/auto/search/test_side_by_side.py has the rest).
     monkeypatch.setattr(engine, "RETIME_MARGIN", 1.0)
-    monkeypatch.setattr(engine, "fits_together", lambda peaks, device: False)
+    monkeypatch.setattr(engine, "fits_together", lambda *args: False)
     order = []
     measure = engine.dry_run
 

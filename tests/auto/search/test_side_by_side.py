@@ -62,7 +62,7 @@ def test_a_search_settles_its_close_call_side_by_side(tmp_path, monkeypatch):
 
 def test_where_the_copies_cannot_be_alive_together_the_close_call_is_timed_again(tmp_path, monkeypatch):
     monkeypatch.setattr(engine, "RETIME_MARGIN", 1.0)
-    monkeypatch.setattr(engine, "fits_together", lambda peaks, device: False)
+    monkeypatch.setattr(engine, "fits_together", lambda *args: False)
     report = _search(tmp_path)
     assert not any(c.side_by_side for c in report.candidates)
     assert [c for c in report.candidates if c.throughputs]
@@ -138,7 +138,7 @@ def _search_where_rank_1_lacks_memory(path: str) -> list:
     saved = engine.RETIME_MARGIN, engine.fits_together
     engine.RETIME_MARGIN = 1.0  # every runner-up is close
     if dist.get_rank() == 1:  # this rank's device could not hold the copies together
-        engine.fits_together = lambda peaks, device: False
+        engine.fits_together = lambda *args: False
     try:
         search_and_train(path, steps=1, use_search_cache=False, max_dryruns=3, **FAST)
     finally:
