@@ -75,6 +75,29 @@ def test_report_table_shows_the_whole_reason_wrapped():
         assert continuation[:reason_column].strip() == "" and continuation[reason_column] != " "
 
 
+def test_a_long_strategy_name_wraps_within_120_columns():
+    from atorch.auto.search.report import CandidateResult, SearchReport
+
+    names = [("parallel_mode", {}), ("checkpoint", {"selective": True}), ("zero1", {}),
+             ("gradient_accumulation", {"steps": 4}), ("amp_native", {})]
+    report = SearchReport(2, "cpu", 2**30, winner=0)
+    for count in (5, 2):
+        strategy = {"format": "atorch-strategy", "version": 1,
+                    "methods": [{"name": n, "config": c} for n, c in names[:count]]}
+        report.candidates.append(CandidateResult(strategy, status="measured", throughput=1400.0 + count,
+                                                 throughput_range=[1356.0, 1447.0], layout="pipeline=2, microbatches=4",
+                                                 estimated_step_seconds=0.005, estimated_peak_bytes=6 * 2**20,
+                                                 measured_peak_bytes=6 * 2**20))
+    report.global_batch = 16
+    lines = report.table().splitlines()
+    assert max(len(line) for line in lines) <= 120  # before: 137 on the README example's search
+    # every method name is there whole, the long one over two lines under its column
+    assert "gradient_accumulation x4" in _words(report.table())
+    column = next(line for line in lines if line.lstrip().startswith("strategy")).index("strategy")
+    first = next(i for i, line in enumerate(lines) if line.startswith("*"))
+    assert lines[first + 1][:column].strip() == "" and lines[first + 1][column] != " "
+
+
 def test_explain_shows_whole_reasons_and_the_estimate_breakdown(tmp_path, capsys):
     _report_with_a_long_reason().save(tmp_path / "r.json")
     assert main(["explain", str(tmp_path / "r.json")]) == 0

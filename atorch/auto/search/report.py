@@ -125,15 +125,7 @@ class SearchReport:
                 size_text(c.measured_peak_bytes),
                 c.status + (f": {c.reason}" if c.reason else ""),
             ))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-        indent = " " * (sum(widths) + 2 * len(widths))
-        reason_width = max(24, width - len(indent))
-        lines = []
-        for row in rows:
-            reason = textwrap.wrap(row[-1], reason_width, break_on_hyphens=False) or [""]
-            cells = "  ".join(cell.ljust(w) for cell, w in zip(row, widths))
-            lines.append(f"{cells}  {reason[0]}".rstrip())
-            lines += [indent + more for more in reason[1:]]
+        lines = _table_lines(rows, width)
         head = (f"atorch search: {len(self.candidates)} candidates on {self.world_size} x {self.device}, "
                 f"memory budget {size_text(self.memory_budget_bytes)}, {self.search_seconds:.1f}s")
         tail = [self.note] if self.note else []
@@ -229,6 +221,31 @@ class SearchReport:
             terms = ", ".join(f"{key} {_term_text(key, value)}" for key, value in c.estimate_breakdown.items())
             lines.append(f"  {' + '.join(c.names) or '(plain)'}: {terms}")
         return "\n".join(lines) if len(lines) > 1 else "no memory estimates in this report"
+
+def _table_lines(rows: list[tuple], width: int) -> list[str]:
+    """``rows`` as aligned columns within ``width``: the last column (status and reason) wraps
+    under itself, and the strategy column (the second) wraps at its " + " where a long name would
+    push the line past ``width``."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    # the status column keeps its longest word, or 24 characters where a reason follows it
+    status = 24 if any(":" in r[-1] for r in rows[1:]) else max(len(r[-1]) for r in rows)
+    others = sum(widths) - widths[1] + 2 * len(widths)
+    widths[1] = max(16, min(widths[1], width - others - status))
+    indent = " " * (sum(widths) + 2 * len(widths))
+    reason_width = max(24, width - len(indent))
+    lines = []
+    for row in rows:
+        names = textwrap.wrap(row[1], widths[1], break_on_hyphens=False) or [""]
+        reason = textwrap.wrap(row[-1], reason_width, break_on_hyphens=False) or [""]
+        cells = "  ".join(cell.ljust(w) for cell, w in zip((row[0], names[0], *row[2:-1]), widths))
+        lines.append(f"{cells}  {reason[0]}".rstrip())
+        for k in range(1, max(len(names), len(reason))):
+            name = names[k] if k < len(names) else ""
+            more = reason[k] if k < len(reason) else ""
+            left = " " * (widths[0] + 2) + name.ljust(widths[1])
+            lines.append(f"{left.ljust(len(indent))}{more}".rstrip())
+    return lines
+
 
 def size_text(value: int | None) -> str:
     """Bytes as ``12.1MiB``; None as ``-``."""
