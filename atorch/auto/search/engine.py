@@ -741,9 +741,16 @@ def _clearly_faster(tied: list) -> list:
 
 
 def _timed_together(results) -> list:
-    """The measured candidates timed side by side (none, or two and more)."""
+    """The measured candidates still taking turns when the side-by-side timing ended (the most
+    turns; none when no close call was timed side by side). One that stopped taking turns was
+    over sidebyside.NEAR behind on the turns all had taken; its median, over fewer and earlier
+    turns, is not compared with theirs (a change in the machine's load after it stopped would
+    move theirs and not its)."""
     together = [(s, r) for s, r in results if r.status == MEASURED and r.side_by_side]
-    return together if len(together) > 1 else []
+    if len(together) < 2:
+        return []
+    most = max(len(r.side_by_side_seconds or ()) for _, r in together)
+    return [(s, r) for s, r in together if len(r.side_by_side_seconds or ()) == most]
 
 
 def _tied_set(results) -> list:

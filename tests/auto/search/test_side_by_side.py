@@ -68,6 +68,17 @@ def test_where_the_copies_cannot_be_alive_together_the_close_call_is_timed_again
     assert [c for c in report.candidates if c.throughputs]
 
 
+def test_a_candidate_that_stopped_taking_turns_is_not_compared_on_its_earlier_turns():
+    # plain stopped after 6 turns; then the machine slowed, and the two left took 12 slow turns more
+    results = _timed((["zero1"], 130.0, 100.0), (["zero2"], 125.0, 95.0), ([], 120.0, 110.0))
+    for (_, result), turns in zip(results, (18, 18, 6)):
+        result.side_by_side_seconds = [0.1] * turns
+    winner = _pick_winner(results)
+    assert winner[0].opt_names == ["zero1"] and _tied(results, winner) == []
+    results[2][1].side_by_side_seconds = [0.1] * 18  # had it taken every turn, it would win
+    assert _pick_winner(results)[0].opt_names == []
+
+
 def test_a_candidate_far_behind_side_by_side_stops_taking_turns():
     near, far = 1.0 + sidebyside.NEAR / 2, 1.0 + 2 * sidebyside.NEAR
     seconds = [[1.0, 1.1, 0.9], [near] * 3, [far, 0.9, far], [far] * 3]
