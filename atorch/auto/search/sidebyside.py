@@ -12,13 +12,13 @@ Every candidate's copy is alive at once, so the search runs this only where they
 every rank (:func:`fits_together`); each rank steps the same candidate at the same time."""
 
 import itertools
-import os
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
+from atorch.auto.environment import available_host_memory
 from atorch.auto.search.agree import agreement_group, all_ok, first_error, max_each
 from atorch.auto.search.dryrun import build, draw, release, train_step
 from atorch.auto.strategy import Strategy
@@ -56,22 +56,6 @@ def fits_together(peaks: list[int | None], device: torch.device, local_world: in
     else:
         return False
     return sum(peaks) <= free
-
-
-def available_host_memory() -> int:
-    """Bytes of host memory available now (Linux's MemAvailable: free pages and the page cache
-    that can be given back), or the free pages where that is not known; 0 when neither is."""
-    try:
-        with open("/proc/meminfo") as info:
-            for line in info:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 def time_side_by_side(pristine: torch.nn.Module, strategies: list[Strategy], make_context: Callable,

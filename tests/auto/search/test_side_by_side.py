@@ -5,6 +5,7 @@ not the dry runs' readings (which read 3-20% apart run to run on a loaded machin
 import torch
 import torch.distributed as dist
 
+from atorch.auto.environment import available_host_memory
 from atorch.auto.search import engine, sidebyside
 from atorch.auto.search.engine import MEASURED, _pick_winner, _tied
 from atorch.auto.search.report import CandidateResult, SearchReport
@@ -89,7 +90,7 @@ def test_a_candidate_far_behind_side_by_side_stops_taking_turns():
 
 
 def test_the_copies_must_fit_the_free_memory_together():
-    free = sidebyside.available_host_memory()
+    free = available_host_memory()
     assert free > 0
     assert sidebyside.fits_together([free // 8, free // 8], torch.device("cpu"))
     assert not sidebyside.fits_together([free // 6, free // 6], torch.device("cpu"), local_world=4)  # a quarter each
