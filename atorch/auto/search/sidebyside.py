@@ -1,9 +1,9 @@
-"""A close call settled side by side: the candidates built together and stepped in interleaved
-blocks, so a drift of the machine's load weighs on all of them alike.
+"""A close call settled side by side: the candidates built together and stepped in turns, so a
+drift of the machine's load weighs on all of them alike.
 
 Separate dry runs of one candidate read 3-20% apart on 4 ranks sharing 2 cores, more than two good
-candidates differ, so their readings cannot order them. Built together and stepped block by
-block in turn (A B C, then C B A, ...), the same pairs kept their order: search_quality.py's
+candidates differ, so their readings cannot order them. Built together and stepped a few steps
+each in turn (A B C, then C B A, ...), the same pairs kept their order: search_quality.py's
 picked-against-best timings (11 blocks of 5 steps) put a 4-stage pipeline 4-10% ahead of plain
 DDP on its small Llama in each of three timings, where the dry runs' medians had it ahead in some
 searches and behind in others.
