@@ -13,6 +13,7 @@ from atorch.auto.registry import LayoutJob, all_methods, get_method
 from atorch.auto.strategy import Strategy, make_config
 from atorch.distributed.topology import DATA_PARALLEL_DIMS
 from atorch.errors import AtorchConfigError
+from atorch.utils.memo import kept
 
 
 @dataclass(frozen=True)
@@ -63,21 +64,28 @@ def layout_space(model, device_ctx: DeviceContext, global_batch: int | None = No
     ineligible: list[tuple[Layout, str]] = []
     if world == 1:
         return eligible, ineligible
-    for spec in forced or specs:
-        for sizes, raw in spec.layouts(world):
-            taken = math.prod(sizes.values())
-            if world % taken:
-                continue
-            layout = Layout((*sizes.items(), ("data", world // taken)), (spec.name, dict(raw)))
-            data = world // taken
-            job = LayoutJob(dict(layout.dims), global_batch // data if global_batch else None, model_input_format,
-                            None if first_batch is None else functools.partial(first_batch, data))
-            why = None if spec.ineligible is None else spec.ineligible(model, make_config(spec.name, raw), job)
-            if why is None:
-                eligible.append(layout)
-            else:
-                ineligible.append((layout, why))
+    with kept():  # layouts with as many pipeline stages share one trace of the model (its eligibility)
+        for spec in forced or specs:
+            _add_layouts(model, spec, world, global_batch, model_input_format, first_batch, eligible, ineligible)
     return eligible, ineligible
+
+
+def _add_layouts(model, spec, world: int, global_batch, model_input_format, first_batch, eligible: list,
+                 ineligible: list) -> None:
+    """``spec``'s layouts on ``world`` ranks, each to ``eligible`` or, with its reason, ``ineligible``."""
+    for sizes, raw in spec.layouts(world):
+        taken = math.prod(sizes.values())
+        if world % taken:
+            continue
+        layout = Layout((*sizes.items(), ("data", world // taken)), (spec.name, dict(raw)))
+        data = world // taken
+        job = LayoutJob(dict(layout.dims), global_batch // data if global_batch else None, model_input_format,
+                        None if first_batch is None else functools.partial(first_batch, data))
+        why = None if spec.ineligible is None else spec.ineligible(model, make_config(spec.name, raw), job)
+        if why is None:
+            eligible.append(layout)
+        else:
+            ineligible.append((layout, why))
 
 
 def candidate_space(
