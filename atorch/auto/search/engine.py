@@ -66,7 +66,7 @@ TIE_ESTIMATE = 0.10
 # zero1 instead (benchmarks/search_repeat.py, 2026-11-26, before the change).
 RETIME_MARGIN = 0.30
 RETIME_ROUNDS = 2
-RETIME_BAND = 4
+RETIME_BAND = 5
 # A candidate is dominated by one that needs no more memory and is estimated this many times
 # faster. The step-time estimate (nominal or calibrated rates) orders candidates, it does not
 # predict seconds well, so only a wide gap prunes.
@@ -729,6 +729,14 @@ def _tie_rule(item) -> tuple:
     return len(strategy), result.estimated_step_seconds or float("inf")
 
 
+def _side_by_side_tie_rule(item) -> tuple:
+    """A tie side by side goes to the lower measured peak (as fast, more memory left), then to
+    fewer methods, then to the faster there (sidebyside.TIE says why not fewer methods first)."""
+    strategy, result = item
+    peak = result.measured_peak_bytes if result.measured_peak_bytes is not None else float("inf")
+    return peak, len(strategy), -result.side_by_side
+
+
 def _clearly_faster(tied: list) -> list:
     """The tied candidates whose estimated step is within TIE_ESTIMATE of the fastest estimate: the
     tie rule's fewer methods choose among these only. A candidate without an estimate stays only
@@ -769,8 +777,8 @@ def _pick_winner(results):
     measured = [(s, r) for s, r in results if r.status == MEASURED]
     if not measured:
         return None
-    if _timed_together(results):  # fewer methods, then the faster side by side
-        return min(_tied_set(results), key=lambda item: (len(item[0]), -item[1].side_by_side))
+    if _timed_together(results):
+        return min(_tied_set(results), key=_side_by_side_tie_rule)
     tied = _clearly_faster(_tied_set(results) or measured)
     return min(tied, key=_tie_rule)  # min keeps the first of equals: the order of generation
 

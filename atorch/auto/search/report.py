@@ -71,10 +71,11 @@ class SearchReport:
     # Which rates the step-time estimates used: calibrated on this machine (and where from), or
     # nominal and why (see atorch/auto/search/calibrate.py); None in reports from before.
     rates: str | None = None
-    # Measured candidates the winner was tied with (indexes): within 2% of the fastest side by
-    # side (fewer methods, then the faster there, picked the winner), or, where the close call was
-    # timed one by one, readings that could not be told apart from the best's (fewer methods among
-    # those estimated near the fastest, then the estimate).
+    # Measured candidates the winner was tied with (indexes): within sidebyside.TIE (2.5%) of the
+    # fastest side by side (the lower measured peak, then fewer methods, then the faster there,
+    # picked the winner), or, where the close call was timed one by one, readings that could not be
+    # told apart from the best's (fewer methods among those estimated near the fastest, then the
+    # estimate).
     tied: list[int] | None = None
     # The global batch (samples per step): estimated step times are shown as samples/s with it.
     global_batch: int | None = None
@@ -195,8 +196,8 @@ class SearchReport:
                  f"median turn): {figures}"]
         if self.tied:
             others = ", ".join(self._name(i) for i in self.tied)
-            lines.append(f"winner {self._name(self.winner)}: tied with {others} (within {TIE:.0%} side by "
-                         "side); the tie goes to fewer methods, then the faster side by side")
+            lines.append(f"winner {self._name(self.winner)}: tied with {others} (within {TIE:.1%} side by "
+                         "side); the tie goes to the lower measured peak, then fewer methods, then the faster")
         return lines
 
     def _counts_line(self) -> list[str]:

@@ -16,28 +16,41 @@ from tests.helpers.dist import run_distributed
 
 
 def _timed(*rows):
-    """(names, dry-run samples/s, side-by-side samples/s or None) -> results."""
+    """(names, dry-run samples/s, side-by-side samples/s or None[, measured peak]) -> results."""
     return [(Strategy(names), CandidateResult(Strategy(names).to_dict(), status=MEASURED, throughput=reading,
                                               throughput_range=[reading * 0.8, reading * 1.2], side_by_side=together,
-                                              estimated_step_seconds=0.01))
-            for names, reading, together in rows]
+                                              estimated_step_seconds=0.01,
+                                              measured_peak_bytes=peak[0] if peak else 1 << 20))
+            for names, reading, together, *peak in rows]
 
 
-def test_side_by_side_decides_over_the_readings_and_the_method_count():
-    # zero1 read faster in its dry runs and has fewer methods; side by side the other is 7% ahead
-    results = _timed((["zero1"], 140.0, 130.0), (["checkpoint", "zero1"], 120.0, 130.0 * 1.07))
+def test_side_by_side_decides_over_the_readings_the_peak_and_the_method_count():
+    # zero1 read faster in its dry runs, has fewer methods and the lower peak; side by side the
+    # other is 7% ahead
+    results = _timed((["zero1"], 140.0, 130.0, 10 << 20), (["checkpoint", "zero1"], 120.0, 130.0 * 1.07, 20 << 20))
     assert _pick_winner(results)[0].opt_names == ["checkpoint", "zero1"]
     assert _tied(results, _pick_winner(results)) == []
 
 
-def test_within_the_tolerance_side_by_side_fewer_methods_win_then_the_faster():
-    near = 130.0 * (1 + TIE / 2)
-    results = _timed((["zero1"], 120.0, 130.0), (["checkpoint", "zero1"], 140.0, near))
+def test_within_the_tolerance_side_by_side_the_lower_peak_wins_then_fewer_methods_then_the_faster():
+    near = 130.0 * (1 - TIE / 2)
+    # zero1 a bit slower side by side, but it leaves more memory: it wins the tie
+    results = _timed(([], 140.0, 130.0, 30 << 20), (["zero1"], 120.0, near, 20 << 20))
     winner = _pick_winner(results)
     assert winner[0].opt_names == ["zero1"]
-    assert _tied(results, winner) == [results[1][1]]
-    same_count = _timed((["zero1"], 140.0, 130.0), (["zero2"], 120.0, near))
-    assert _pick_winner(same_count)[0].opt_names == ["zero2"]  # not the estimate, not the readings
+    assert _tied(results, winner) == [results[0][1]]
+    # as much memory: fewer methods
+    same_peak = _timed((["zero1"], 120.0, near), (["checkpoint", "zero1"], 140.0, 130.0))
+    assert _pick_winner(same_peak)[0].opt_names == ["zero1"]
+    # as much memory, as many methods: the faster side by side, not the estimate nor the readings
+    same_count = _timed((["zero1"], 140.0, near), (["zero2"], 120.0, 130.0))
+    assert _pick_winner(same_count)[0].opt_names == ["zero2"]
+    # past the tolerance the faster wins, whatever its peak
+    apart = _timed(([], 140.0, 130.0, 30 << 20), (["zero1"], 120.0, 130.0 * (1 - 2 * TIE), 20 << 20))
+    assert _pick_winner(apart)[0].opt_names == []
+    # a peak not measured counts as the highest
+    unmeasured = _timed(([], 140.0, 130.0, None), (["zero1"], 120.0, near, 20 << 20))
+    assert _pick_winner(unmeasured)[0].opt_names == ["zero1"]
 
 
 def test_a_candidate_not_timed_side_by_side_cannot_win_against_those_that_were():
@@ -58,7 +71,7 @@ def test_a_search_settles_its_close_call_side_by_side(tmp_path, monkeypatch):
     left = [c for c in together if len(c.side_by_side_seconds) == most]  # still taking turns at the end
     fastest = max(c.side_by_side for c in left)
     tied = [c for c in left if c.side_by_side >= fastest * (1 - TIE)]
-    assert winner is min(tied, key=lambda c: (len(c.names), -c.side_by_side))
+    assert winner is min(tied, key=lambda c: (c.measured_peak_bytes, len(c.names), -c.side_by_side))
     assert "timed side by side" in report.table()
     assert SearchReport.from_dict(report.to_dict()).candidates[report.winner].side_by_side == winner.side_by_side
 
