@@ -29,7 +29,7 @@ from atorch.errors import AtorchConfigError
 from atorch.utils.log import logger, quiet
 
 # Throughputs within this fraction of the best count as a tie, won by the simpler strategy (a close
-# call timed side by side: sidebyside.TIE).
+# call timed side by side: sidebyside.TIE, won by the lower measured peak).
 TIE_TOLERANCE = 0.03
 # Where the close call could not be timed side by side (its copies do not fit the device together,
 # or the time left): a candidate whose measured range (its fastest and slowest timed steps, over
