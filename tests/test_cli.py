@@ -320,3 +320,24 @@ def test_docs_cli_quotes_the_figure_the_tool_prints(capsys):
     assert main(["plan", "--hf-config", str(root / "docs" / "plans" / "llama7b.json"), "--world-size", "8"]) == 0
     printed = _plan_rows(capsys.readouterr().out)["parallel_mode + zero2"][5]
     assert float(quoted.group(1)) == pytest.approx(printed, abs=0.05)
+
+
+def test_the_close_call_timed_side_by_side_leads_the_table_in_its_order_there():
+    """The README example's search: zero1 read faster in its dry runs, plain data parallelism ran
+    5% faster side by side and won; the table put zero1's row first and the pick second."""
+    from atorch.auto.search.report import CandidateResult, SearchReport
+
+    def row(names, reading, together=None):
+        strategy = {"format": "atorch-strategy", "version": 1, "methods": [{"name": n, "config": {}} for n in names]}
+        return CandidateResult(strategy, status="measured", throughput=reading, side_by_side=together,
+                               side_by_side_seconds=[0.01] * 18 if together else None, layout="data=2",
+                               measured_peak_bytes=6 * 2**20)
+
+    report = SearchReport(2, "cpu", 2**30, [row(["parallel_mode", "zero1"], 1370.0, 1332.0),
+                                            row(["parallel_mode"], 1227.0, 1402.0),
+                                            row(["parallel_mode", "checkpoint"], 1300.0)], winner=1)
+    report.global_batch = 16
+    lines = report.table().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.lstrip().startswith("strategy")) + 1
+    assert lines[first].startswith("*") and "parallel_mode " in lines[first], lines  # the pick, first
+    assert "zero1" in lines[first + 1] and "checkpoint" in lines[first + 2], lines  # then the dry runs' order

@@ -137,8 +137,8 @@ class SearchReport:
         rates = [f"step times estimated at {self.rates}"] if self.rates else []
         legend = ["* the pick; samples/s: the median timed step's (the slowest-fastest step's); est.: the cost "
                   "model's samples/s; peak: measured, per rank"
-                  + ("; a close call timed side by side is decided there (the line under the header)"
-                     if any(c.side_by_side for c in self.candidates) else "")]
+                  + ("; a close call timed side by side is decided there (the line under the header; its "
+                     "candidates come first, in that order)" if any(c.side_by_side for c in self.candidates) else "")]
         hidden = [] if all_rows else self._pruned_lines(set(shown), width)
         stopped = [self.stopped] if self.stopped else []
         top = [wrapped for line in (head, *self._counts_line(), *stopped, *rates, *self._tie_line())
@@ -207,9 +207,16 @@ class SearchReport:
         return [f"{self.generated} generated; pruned: {pruned}; {self.dry_run} dry-run"]
 
     def _display_order(self) -> list[int]:
+        """Measured, then failed, then pruned; the measured ones timed side by side first, in their
+        order there (what decided), then the others by their dry runs' samples/s."""
         rank = {MEASURED: 0, FAILED: 1, PRUNED: 2}
-        return sorted(range(len(self.candidates)),
-                      key=lambda i: (rank.get(self.candidates[i].status, 3), -(self.candidates[i].throughput or 0)))
+
+        def key(i: int) -> tuple:
+            c = self.candidates[i]
+            together = c.status == MEASURED and bool(c.side_by_side)
+            return rank.get(c.status, 3), not together, -((c.side_by_side if together else c.throughput) or 0)
+
+        return sorted(range(len(self.candidates)), key=key)
 
     def breakdown(self) -> str:
         """Each candidate's memory estimate per rank, term by term (what the JSON's
