@@ -20,7 +20,7 @@ from atorch.auto.search.calibrate import cached_rates
 from atorch.auto.search.dryrun import collector_frozen, dry_run
 from atorch.auto.search.report import FAILED, MEASURED, PRUNED, CandidateResult, SearchReport, size_text
 from atorch.auto.search.share import run_shared
-from atorch.auto.search.sidebyside import MAX_TURNS, TURN_STEPS, fits_together, time_side_by_side
+from atorch.auto.search.sidebyside import MAX_TURNS, TURN_STEPS, behind, fits_together, time_side_by_side
 from atorch.auto.search.sidebyside import TIE as SIDE_BY_SIDE_TIE
 from atorch.auto.search.space import candidate_space, layout_space, layout_text
 from atorch.auto.strategy import Strategy
@@ -773,9 +773,9 @@ def _timed_together(results) -> list:
 
 def _tied_set(results) -> list:
     together = _timed_together(results)
-    if together:  # side by side, only a difference within the tolerance is a tie
-        best = max(r.side_by_side for _, r in together)
-        return [(s, r) for s, r in together if r.side_by_side >= best * (1 - SIDE_BY_SIDE_TIE)]
+    if together:  # side by side, only a difference within the tolerance (turn by turn) is a tie
+        ratios = behind([r.side_by_side_seconds for _, r in together])
+        return [item for item, ratio in zip(together, ratios) if ratio <= 1 + SIDE_BY_SIDE_TIE]
     measured = [(s, r) for s, r in results if r.status == MEASURED and r.throughput]
     if not measured:
         return []

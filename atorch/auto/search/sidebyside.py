@@ -32,19 +32,20 @@ from atorch.distributed.topology import collective_timeout
 TURN_STEPS = 3
 MIN_TURNS, MAX_TURNS = 6, 18
 NEAR = 0.10
-# Candidates within this fraction of the fastest side by side are a tie, which goes to the lower
-# measured peak (as fast, with more memory left; a peak reads the same in every search), then to
-# fewer methods, then to the faster there. Side by side, what separates two candidates moves from
-# one search to the next on a shared machine, beyond the timing's own spread: on
-# search_quality.py, over 10-15 searches each, zero1 was fastest or within 2.2% of plain data
-# parallelism on bert and gpt2-tied, plain up to 7.4% and 5.3% behind it, and a 4-stage pipeline
-# 3.1-14% behind it on gpt2-tied and 6.4-7.1% on bert; on small and memory-bound the pipeline was
-# fastest in every search, 0.5-11% ahead. A tie going to fewer methods first (plain) flipped
-# between zero1 and plain wherever the tie cut through that spread: replayed on the recorded turns
-# (70 searches of 7 scenarios, 63 with a close call), 3 picks other than the rest of their scenario
-# at 0.02, 6 at 0.03. Lower peak first, the usual winner is also the lower peak on each (zero1 over
-# plain, the pipeline on small), and only a pipeline behind by less than the tie could flip it: 1
-# pick off at 0.025 and 0.03 (a search whose close call lacked zero1), 2 at 0.02.
+# Candidates within this fraction of the fastest side by side (turn by turn: :func:`behind`) are a
+# tie, which goes to the lower measured peak (as fast, with more memory left; a peak reads the
+# same in every search), then to fewer methods, then to the faster there. Side by side, what
+# separates two candidates moves from one search to the next on a shared machine, beyond the
+# timing's own spread: on search_quality.py, over 10-15 searches each, zero1 was fastest or within
+# 2.2% of plain data parallelism on bert and gpt2-tied, plain up to 7.4% and 5.3% behind it, and a
+# 4-stage pipeline 3.1-14% behind it on gpt2-tied and 6.4-7.1% on bert; on small and memory-bound
+# the pipeline was fastest in every search, 0.5-11% ahead. A tie going to fewer methods first
+# (plain) flipped between zero1 and plain wherever the tie cut through that spread: replayed on
+# the recorded turns (70 searches of 7 scenarios, 63 with a close call), 3 picks other than the
+# rest of their scenario at 0.02, 6 at 0.03. Lower peak first, the usual winner is also the lower
+# peak on each (zero1 over plain, the pipeline on small), and only a pipeline behind by less than
+# the tie could flip it: 1 pick off at 0.025 and 0.03 (a search whose close call lacked zero1), 2
+# at 0.02.
 TIE = 0.025
 
 
@@ -121,11 +122,31 @@ def _timed(built: list, warmup_steps: int, timeout_s: float, start: float) -> di
 
 
 def still_near(seconds: list[list[float]], active: list[int]) -> list[int]:
-    """The ``active`` candidates whose median turn is within NEAR of the fastest median turn.
+    """The ``active`` candidates within NEAR of the fastest of them, turn by turn (:func:`behind`).
 
     >>> still_near([[1.0, 1.0], [1.05, 1.05], [1.2, 1.2]], [0, 1, 2])
     [0, 1]
     """
-    medians = {i: statistics.median(seconds[i]) for i in active}
-    fastest = min(medians.values())
-    return [i for i in active if medians[i] <= fastest * (1 + NEAR)]
+    ratios = behind([seconds[i] for i in active])
+    return [i for i, ratio in zip(active, ratios) if ratio <= 1 + NEAR]
+
+
+def behind(seconds: list[list[float]]) -> list[float]:
+    """Each candidate's turns against the fastest candidate's: the median, over the rounds both
+    took, of its turn's seconds over the fastest's turn's in the same round (1.0 for the fastest).
+
+    A round's turns run within a second of each other, so a change in the machine's load weighs on
+    both sides of each ratio; medians of each candidate's turns apart do not cancel it (one search
+    of search_quality.py's small: a load that came and went put plain data parallelism's median
+    turn 10% ahead of the 4-stage pipeline's, turn by turn the two were 1% apart). The fastest is
+    the one the others are behind, measured turn by turn against the fastest median.
+
+    >>> behind([[1.0, 2.0, 1.0], [1.1, 2.2, 1.1]])
+    [1.0, 1.1]
+    """
+    def ratio(mine: list[float], theirs: list[float]) -> float:
+        return statistics.median(a / b for a, b in zip(mine, theirs))
+
+    first = min(range(len(seconds)), key=lambda i: statistics.median(seconds[i]))
+    fastest = min(range(len(seconds)), key=lambda i: ratio(seconds[i], seconds[first]))
+    return [ratio(turns, seconds[fastest]) for turns in seconds]

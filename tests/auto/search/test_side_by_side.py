@@ -2,6 +2,8 @@
 reach of the best are built together and stepped in turns, and their side-by-side figures decide,
 not the dry runs' readings (which read 3-20% apart run to run on a loaded machine)."""
 
+import statistics
+
 import torch
 import torch.distributed as dist
 
@@ -19,9 +21,15 @@ def _timed(*rows):
     """(names, dry-run samples/s, side-by-side samples/s or None[, measured peak]) -> results."""
     return [(Strategy(names), CandidateResult(Strategy(names).to_dict(), status=MEASURED, throughput=reading,
                                               throughput_range=[reading * 0.8, reading * 1.2], side_by_side=together,
+                                              side_by_side_seconds=_turns(together, 18),
                                               estimated_step_seconds=0.01,
                                               measured_peak_bytes=peak[0] if peak else 1 << 20))
             for names, reading, together, *peak in rows]
+
+
+def _turns(samples_per_s, count: int):
+    """``count`` turns at ``samples_per_s`` (a global batch of 1), or None."""
+    return None if samples_per_s is None else [1.0 / samples_per_s] * count
 
 
 def test_side_by_side_decides_over_the_readings_the_peak_and_the_method_count():
@@ -88,10 +96,10 @@ def test_a_candidate_that_stopped_taking_turns_is_not_compared_on_its_earlier_tu
     # plain stopped after 6 turns; then the machine slowed, and the two left took 12 slow turns more
     results = _timed((["zero1"], 130.0, 100.0), (["zero2"], 125.0, 95.0), ([], 120.0, 110.0))
     for (_, result), turns in zip(results, (18, 18, 6)):
-        result.side_by_side_seconds = [0.1] * turns
+        result.side_by_side_seconds = _turns(result.side_by_side, turns)
     winner = _pick_winner(results)
     assert winner[0].opt_names == ["zero1"] and _tied(results, winner) == []
-    results[2][1].side_by_side_seconds = [0.1] * 18  # had it taken every turn, it would win
+    results[2][1].side_by_side_seconds = _turns(110.0, 18)  # had it taken every turn, it would win
     assert _pick_winner(results)[0].opt_names == []
 
 
@@ -100,6 +108,22 @@ def test_a_candidate_far_behind_side_by_side_stops_taking_turns():
     seconds = [[1.0, 1.1, 0.9], [near] * 3, [far, 0.9, far], [far] * 3]
     assert sidebyside.still_near(seconds, [0, 1, 2, 3]) == [0, 1]  # medians, not single turns
     assert sidebyside.still_near(seconds, [2, 3]) == [2, 3]  # the fastest of those still taking turns
+
+
+def test_candidates_are_compared_turn_by_turn_so_a_passing_load_weighs_on_both():
+    # search_quality.py's small, one search: a load came and went; plain's median turn read 10%
+    # ahead of the 4-stage pipeline's, turn by turn the two were within 2%
+    plain = [0.068, 0.061, 0.078, 0.093, 0.093, 0.095, 0.065, 0.069, 0.069]
+    pipeline = [0.069, 0.062, 0.083, 0.076, 0.084, 0.085, 0.082, 0.076, 0.065]
+    assert statistics.median(pipeline) / statistics.median(plain) > 1 + sidebyside.NEAR
+    assert sidebyside.still_near([plain, pipeline], [0, 1]) == [0, 1]
+    ratios = sidebyside.behind([plain, pipeline])
+    assert max(ratios) < 1 + TIE and min(ratios) == 1.0
+    # tied: the pipeline's lower peak takes it
+    results = _timed(([], 120.0, 1 / statistics.median(plain), 20 << 20),
+                     (["pipeline_parallel"], 110.0, 1 / statistics.median(pipeline), 9 << 20))
+    results[0][1].side_by_side_seconds, results[1][1].side_by_side_seconds = plain, pipeline
+    assert _pick_winner(results)[0].opt_names == ["pipeline_parallel"]
 
 
 def test_the_copies_must_fit_the_free_memory_together():
