@@ -37,7 +37,7 @@ def _search(tmp_path) -> SearchReport:
 
 
 def test_the_best_and_a_close_runner_up_are_timed_again_runner_up_first():
-    results = _measured(checkpoint=100.0, zero1=100.0 * (1 - RETIME_MARGIN / 2), fsdp=50.0)
+    results = _measured(checkpoint=100.0, zero1=100.0 * (1 - RETIME_MARGIN / 2), fsdp=100.0 * (1 - RETIME_MARGIN) / 2)
     assert [s.opt_names for s, _ in _close_call(results)] == [["zero1"], ["checkpoint"]]
 
 
@@ -46,7 +46,7 @@ def test_every_runner_up_within_the_margin_is_timed_again_slowest_first_up_to_th
     # out of the tie its estimate wins (small's plain data parallelism, 2 searches of 5)
     names = ["checkpoint", "zero1", "zero2", "amp_native", "gradient_accumulation", "module_replace"][:RETIME_BAND + 1]
     near = {name: 100.0 * (1 - RETIME_MARGIN * i / (RETIME_BAND + 1)) for i, name in enumerate(names)}
-    close = _close_call(_measured(**near, fsdp=100.0 * (1 - 2 * RETIME_MARGIN)))
+    close = _close_call(_measured(**near, fsdp=100.0 * (1 - RETIME_MARGIN) / 2))
     assert [s.opt_names[0] for s, _ in close] == names[:RETIME_BAND][::-1]
 
 
@@ -55,7 +55,7 @@ def test_a_runner_up_whose_fastest_step_is_within_the_margin_joins_the_close_cal
     # zero1's 1465, and was left out; side by side it runs 5-17% ahead of zero1
     results = _measured(zero1=1465.0, parallel_mode=968.0, zero2=700.0)
     results[1][1].throughput_range = [816.0, 1191.0]
-    results[2][1].throughput_range = [600.0, 1000.0]  # 32% behind even at its fastest step
+    results[2][1].throughput_range = [600.0, 1465.0 * (1 - RETIME_MARGIN) - 1]  # behind even at its fastest step
     assert [s.opt_names for s, _ in _close_call(results)] == [["parallel_mode"], ["zero1"]]
     # the best is in the close call even where the others' fastest steps outrun its median
     ahead = _measured(zero1=100.0, **{name: 95.0 for name in ("zero2", "fsdp", "checkpoint", "amp_native", "half")})
@@ -66,7 +66,7 @@ def test_a_runner_up_whose_fastest_step_is_within_the_margin_joins_the_close_cal
 
 
 def test_a_clear_winner_or_a_lone_one_is_not_timed_again():
-    assert _close_call(_measured(checkpoint=100.0, zero1=100.0 * (1 - 2 * RETIME_MARGIN))) == []
+    assert _close_call(_measured(checkpoint=100.0, zero1=100.0 * (1 - RETIME_MARGIN) / 2)) == []
     assert _close_call(_measured(checkpoint=100.0)) == []
 
 
@@ -103,9 +103,9 @@ def test_a_search_times_a_close_call_again_and_keeps_the_median_step(tmp_path, m
 def test_a_second_round_runs_only_while_two_are_within_the_margin():
     results = _measured(checkpoint=100.0, zero1=100.0 * (1 - RETIME_MARGIN / 2))
     assert _close_call(results)
-    results[1][1].throughput = 100.0 * (1 - 2 * RETIME_MARGIN)  # the runner-up's next reading: far behind
+    results[1][1].throughput = 100.0 * (1 - RETIME_MARGIN) / 2  # the runner-up's next reading: far behind
     assert _close_call(results) == []
-    results[1][1].throughput = 100.0 / (1 - 2 * RETIME_MARGIN)  # or far ahead: settled the other way
+    results[1][1].throughput = 100.0 / ((1 - RETIME_MARGIN) / 2)  # or far ahead: settled the other way
     assert _close_call(results) == []
 
 
