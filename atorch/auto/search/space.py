@@ -66,26 +66,20 @@ def layout_space(model, device_ctx: DeviceContext, global_batch: int | None = No
         return eligible, ineligible
     with kept():  # layouts with as many pipeline stages share one trace of the model (its eligibility)
         for spec in forced or specs:
-            _add_layouts(model, spec, world, global_batch, model_input_format, first_batch, eligible, ineligible)
+            for sizes, raw in spec.layouts(world):
+                taken = math.prod(sizes.values())
+                if world % taken:
+                    continue
+                layout = Layout((*sizes.items(), ("data", world // taken)), (spec.name, dict(raw)))
+                data = world // taken
+                job = LayoutJob(dict(layout.dims), global_batch // data if global_batch else None,
+                                model_input_format, None if first_batch is None else functools.partial(first_batch, data))
+                why = None if spec.ineligible is None else spec.ineligible(model, make_config(spec.name, raw), job)
+                if why is None:
+                    eligible.append(layout)
+                else:
+                    ineligible.append((layout, why))
     return eligible, ineligible
-
-
-def _add_layouts(model, spec, world: int, global_batch, model_input_format, first_batch, eligible: list,
-                 ineligible: list) -> None:
-    """``spec``'s layouts on ``world`` ranks, each to ``eligible`` or, with its reason, ``ineligible``."""
-    for sizes, raw in spec.layouts(world):
-        taken = math.prod(sizes.values())
-        if world % taken:
-            continue
-        layout = Layout((*sizes.items(), ("data", world // taken)), (spec.name, dict(raw)))
-        data = world // taken
-        job = LayoutJob(dict(layout.dims), global_batch // data if global_batch else None, model_input_format,
-                        None if first_batch is None else functools.partial(first_batch, data))
-        why = None if spec.ineligible is None else spec.ineligible(model, make_config(spec.name, raw), job)
-        if why is None:
-            eligible.append(layout)
-        else:
-            ineligible.append((layout, why))
 
 
 def candidate_space(
