@@ -14,13 +14,16 @@ __version__ = "0.1.0"
 # Imported on first use (PEP 562), so that `import atorch.cli` (the `atorch` command) and
 # `atorch --help` start without torch; `from atorch import auto_accelerate` works as before.
 _LAZY = {
+    "StepLoss": "atorch.loss",
     "Strategy": "atorch.auto",
+    "TokenSum": "atorch.loss",
     "auto_accelerate": "atorch.auto",
     "device": "atorch.distributed.env",
     "init_distributed": "atorch.distributed.env",
     "local_rank": "atorch.distributed.env",
     "rank": "atorch.distributed.env",
     "shutdown": "atorch.distributed.env",
+    "with_count": "atorch.loss",
     "world_size": "atorch.distributed.env",
 }
 
@@ -30,12 +33,15 @@ __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 __all__ = [
     "AtorchConfigError",
+    "StepLoss",
     "Strategy",
+    "TokenSum",
     "auto_accelerate",
     "device",
     "init_distributed",
     "local_rank",
     "rank",
     "shutdown",
+    "with_count",
     "world_size",
 ]

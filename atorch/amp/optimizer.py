@@ -31,8 +31,10 @@ class _ScaleGrad(torch.autograd.Function):
 def _grad_scaled(loss: torch.Tensor, scaler: torch.amp.GradScaler) -> torch.Tensor:
     # The value stays the true loss (printing and logging show it exactly), while the gradient
     # that flows back through it is multiplied by the scaler's current scale.
+    from atorch.loss.contract import carry_marks
+
     scale = scaler.scale(torch.ones((), device=loss.device, dtype=torch.float32))
-    return _ScaleGrad.apply(loss, scale)
+    return carry_marks(loss, _ScaleGrad.apply(loss, scale))
 
 
 class ScaledLossFunc:

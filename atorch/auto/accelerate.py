@@ -16,6 +16,8 @@ from atorch.auto.plan import log_notes, plan_strategy, resolve_strategy
 from atorch.auto.registry import Stage, absorbed_methods, get_method
 from atorch.auto.strategy import Strategy, parse_strategy
 from atorch.distributed import env
+from atorch.loss.contract import counted_loss
+from atorch.loss.step import StepTokens
 from atorch.utils.log import logger
 
 
@@ -48,6 +50,14 @@ class AutoAccelerateResult(collections.namedtuple(
         loop.step(self.args, self.optim)
 
     @property
+    def last_step(self):
+        """The last optimizer step's :class:`~atorch.loss.StepLoss` (the global batch's mean loss
+        over its counted tokens, the tokens, the samples), the same on every rank; None before the
+        first step completes. Read it after the ``backward`` that completes a step."""
+        tokens = self.args.get(loop.TOKENS)
+        return tokens.last if tokens is not None else None
+
+    @property
     def sync_gradients(self) -> bool:
         """Whether the gradients are complete (the last backward ended an accumulation): clip
         or log gradient norms only then."""
@@ -58,7 +68,7 @@ _KNOWN_KWARGS = {
     # the search (docs/search.md)
     "memory_budget", "time_limit", "report_file", "max_dryruns", "dryrun_warmup_steps", "dryrun_steps",
     "dryrun_timeout", "use_search_cache", "search_cache_dir", "search_only",
-    "gradient_accumulation_steps",
+    "gradient_accumulation_steps", "loss_normalization",
 }
 
 
@@ -111,7 +121,12 @@ def auto_accelerate(
       ``search_only`` (return ``(status, None, strategy)`` without applying it: ``model`` is left
       as it was, for a trainer that applies the strategy itself later);
       ``gradient_accumulation_steps`` (default 1): ``result.backward`` / ``result.step`` accumulate
-      that many micro-batches per optimizer step, reducing gradients once (docs/user_guide.md).
+      that many micro-batches per optimizer step, reducing gradients once (docs/user_guide.md);
+      ``loss_normalization``: ``"tokens"`` (default) weights every part of a split batch (data
+      ranks, micro-batches) by what its loss counts, so each step's gradient is that of the global
+      batch's mean over its label tokens; ``"per_part_mean"`` weights each part as one
+      (docs/loss_normalization.md). ``result.last_step`` is the last optimizer step's
+      :class:`~atorch.loss.StepLoss`: the global batch's loss, tokens and samples.
 
     Example::
 
@@ -145,7 +160,7 @@ def auto_accelerate(
         optim_args=dict(optim_args or {}),
         optim_param_func=optim_param_func,
         dataset=dataset,
-        loss_func=loss_func,
+        loss_func=counted_loss(model, loss_func, kwargs.get("loss_normalization", "tokens")),
         prepare_input=prepare_input or move_to_device,
         model_input_format=model_input_format,
         dataloader_args=dict(dataloader_args or {}),
@@ -241,3 +256,4 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy, stage_barrier: Callabl
             if error is not None:
                 raise error
             raise RuntimeError(f"another rank failed while applying stage {stage.name}")
+    ctx.args[loop.TOKENS] = StepTokens(ctx.topology.data_parallel_group, ctx.topology.data_parallel_size)

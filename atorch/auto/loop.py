@@ -6,10 +6,10 @@ engine owns backward and step. These functions hide the difference, so a loop wr
 them never branches on ``result.args``.
 
 Gradient accumulation (``auto_accelerate(..., gradient_accumulation_steps=n)``) lives here too:
-``backward`` divides the loss by ``n`` and keeps the gradient reduction (DDP's all-reduce, FSDP2's
-reduce-scatter) off until the last of ``n`` backwards; ``step`` steps only after that one. So
-``n`` micro-batches of ``b`` samples train exactly like one batch of ``n x b``, with one gradient
-reduction per optimizer step.
+``backward`` keeps the gradient reduction (DDP's all-reduce, FSDP2's reduce-scatter) off until
+the last of ``n`` backwards; ``step`` steps only after that one. Each backward weights its loss
+by what it counts (atorch/loss/step.py), so ``n`` micro-batches of ``b`` samples train exactly
+like one batch of ``n x b``, padded or not, with one gradient reduction per optimizer step.
 """
 
 from typing import Any
@@ -17,26 +17,38 @@ from typing import Any
 import torch
 
 from atorch.auto.inputs import check_loss
+from atorch.loss.contract import STEP_TOTALS
+from atorch.utils.log import logger
 
 ACCUMULATION_STEPS = "gradient_accumulation_steps"
 MICROSTEP = "microstep"  # backwards run so far (kept in result.args, so it travels with the result)
+TOKENS = "loss_tokens"  # the StepTokens that weights each part's loss (atorch/loss/step.py)
 
 
 def backward(args: dict, optim: Any, loss: torch.Tensor | tuple | list, model: torch.nn.Module | None = None) -> None:
-    """Backward of ``loss`` (a loss or a sequence whose first item is the loss) the strategy's way."""
+    """Backward of ``loss`` (a loss or a sequence whose first item is the loss) the strategy's way,
+    weighted by what it counts (atorch/loss/step.py) so the step trains on the global batch's mean."""
     loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+    tokens = args.get(TOKENS)
     if args.get("backward_in_forward"):  # pipeline methods: the model call ran the backward
+        if tokens is not None and torch.is_tensor(loss) and hasattr(loss, STEP_TOTALS):
+            tokens.record(getattr(loss, STEP_TOTALS))
         return
     check_loss(loss)
-    if args.get("use_optim_backward"):  # DeepSpeed ZeRO: the engine scales and reduces
-        optim.backward(loss)
-        return
     steps = args.get(ACCUMULATION_STEPS, 1)
-    if steps == 1:
-        loss.backward()
+    if tokens is not None:
+        scaled = tokens.loss_to_backward(loss, steps)
+    else:  # a loop that was not set up by apply_strategy: the per-part mean
+        scaled = loss / steps
+    if args.get("use_optim_backward"):  # DeepSpeed ZeRO: the engine reduces (accumulation is refused with it)
+        optim.backward(scaled)
         return
-    (loss / steps).backward()
+    scaled.backward()
+    if steps == 1:
+        return
     args[MICROSTEP] = args.get(MICROSTEP, 0) + 1
+    if args[MICROSTEP] % steps == 0 and tokens is not None:
+        tokens.finish_accumulation(_trained_parameters(model, optim), steps)
     # The reduction flags are read by the next forward (DDP) and backward (FSDP2): set them now
     # for the coming micro-step, which reduces only when it completes the accumulation.
     if model is not None:
@@ -46,13 +58,31 @@ def backward(args: dict, optim: Any, loss: torch.Tensor | tuple | list, model: t
 def step(args: dict, optim: Any) -> None:
     """The optimizer step, then gradients cleared for the next one (DeepSpeed clears them itself).
 
-    Under gradient accumulation, a call before the accumulation is complete does nothing.
+    Under gradient accumulation, a call before the accumulation is complete does nothing. A step
+    whose global batch counted nothing (every label -100) clears the gradients without stepping
+    (a WARNING says so): a zero gradient would still move AdamW's weights through its momentum
+    and weight decay.
     """
     if not sync_gradients(args):
+        return
+    tokens = args.get(TOKENS)
+    if tokens is not None and tokens.empty and not args.get("step_in_forward"):
+        tokens.skipped += 1
+        logger.warning("skipped an optimizer step: its global batch has no counted label (every label is -100); "
+                       "%d such step(s) so far", tokens.skipped)
+        optim.zero_grad()
         return
     optim.step()
     if not args.get("use_optim_backward"):
         optim.zero_grad()
+
+
+def _trained_parameters(model: torch.nn.Module | None, optim: Any) -> list[torch.Tensor]:
+    """Every parameter whose gradient the optimizer reads: the model's and the optimizer's groups."""
+    params = {id(p): p for p in (model.parameters() if model is not None else ())}
+    for group in getattr(optim, "param_groups", ()):
+        params.update((id(p), p) for p in group["params"])
+    return list(params.values())
 
 
 def sync_gradients(args: dict) -> bool:

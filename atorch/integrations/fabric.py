@@ -33,6 +33,7 @@ from atorch.integrations.common import (
     needs_atorch_norm,
 )
 from atorch.integrations.lightning import _plain
+from atorch.loss.contract import user_loss_func
 from atorch.utils.optim import unwrap_optimizer
 
 
@@ -86,7 +87,7 @@ class AtorchFabricStrategy(DDPStrategy):
             module, optim_func, loss_func=_loss_of, optim_param_func=optim_param_func, load_strategy=self._requested,
             find_unused_parameters=bool(self._ddp_kwargs.get("find_unused_parameters", False)),
             save_strategy_to_file=self._save_strategy_to)
-        check_applied(result.args, result.loss_func is not _loss_of, "AtorchFabricStrategy")
+        check_applied(result.args, user_loss_func(result.loss_func) is not _loss_of, "AtorchFabricStrategy")
         self._result, self.strategy = result, applied
         return result
 

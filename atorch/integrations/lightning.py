@@ -32,6 +32,7 @@ from atorch.integrations.common import (
     data_parallel_sampler_kwargs,
     needs_atorch_norm,
 )
+from atorch.loss.contract import user_loss_func
 
 # What a Lightning checkpoint holds beside the model and optimizer states (atorch saves those).
 _MODEL_KEYS = ("state_dict", "optimizer_states")
@@ -181,7 +182,7 @@ class AtorchStrategy(DDPStrategy):
             self.model, optim_func, loss_func=_loss_of, load_strategy=self._requested,
             find_unused_parameters=bool(self._ddp_kwargs.get("find_unused_parameters", False)),
             save_strategy_to_file=self._save_strategy_to)
-        check_applied(result.args, result.loss_func is not _loss_of, "AtorchStrategy")
+        check_applied(result.args, user_loss_func(result.loss_func) is not _loss_of, "AtorchStrategy")
         self.model, self._result, self.strategy = result.model, result, applied
         self._lr_scheduler_configs = schedulers.get("configs", [])
 

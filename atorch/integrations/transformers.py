@@ -32,6 +32,7 @@ from atorch.integrations.common import (
     check_strategy,
     needs_atorch_norm,
 )
+from atorch.loss.contract import user_loss_func
 from atorch.utils.optim import unwrap_optimizer
 
 STRATEGY_FILE = "atorch_strategy.json"
@@ -142,7 +143,7 @@ class AtorchTrainer(Trainer):
             save_strategy_to_file=os.path.join(args.output_dir, STRATEGY_FILE), **options)
         if not status:
             raise RuntimeError(f"the strategy search found no strategy that runs; see {options['report_file']}")
-        check_applied(result.args, result.loss_func is not _loss_of, "AtorchTrainer")
+        check_applied(result.args, user_loss_func(result.loss_func) is not _loss_of, "AtorchTrainer")
         self.strategy, self._result = applied, result
         inner = unwrap(result.model)
         self.model = inner

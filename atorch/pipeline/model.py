@@ -17,6 +17,8 @@ from torch.distributed.pipelining import PipelineStage
 
 from atorch.distributed.topology import Topology
 from atorch.errors import MethodConfigError, NotSupportedError, WorldSizeError
+from atorch.loss.contract import STEP_TOTALS, batch_samples, count_of, samples_of, weighed_part, with_count
+from atorch.loss.counting import rule_for
 from atorch.pipeline import failure
 from atorch.pipeline.failure import PipelineStepError
 from atorch.pipeline.layouts import layout_for
@@ -108,6 +110,13 @@ class PipelineModel(nn.Module):
         self.has_last = self.num_stages - 1 in self.local_stage_ids
         self._sync_tied(weights=True)
         self._microbatches: list[dict] = []
+        # Each microbatch's loss is weighted by what it counts (atorch/loss): its [count, sum,
+        # samples] on the last stage, and K, the previous step's count per microbatch and data rank.
+        # Keyed by microbatch: the schedule's first step also calls the loss to infer gradient shapes.
+        self._parts: dict[int, torch.Tensor] = {}
+        self._mb_losses: dict[int, torch.Tensor] = {}
+        self._expected = 1.0
+        self._count_rule = rule_for(module)
         self._failed: str | None = None  # why a step failed inside the schedule (the model cannot run again)
         self._in_schedule = False
         self._steps = 0
@@ -236,10 +245,13 @@ class PipelineModel(nn.Module):
     def run_train(self, **kwargs):
         """Forward and backward of every microbatch of ``kwargs`` (the model's forward kwargs).
 
-        Returns the mean microbatch loss (a list with ``return_mb_loss``) on the rank holding the
-        last stage and ``None`` elsewhere; with ``broadcast_and_average_loss`` every rank gets it,
-        averaged over the data-parallel ranks. Gradients are left in the local parameters,
-        already averaged over data-parallel ranks.
+        Returns the batch's loss on the rank holding the last stage and ``None`` elsewhere (with
+        ``broadcast_and_average_loss`` every rank gets it): the mean over everything its losses
+        count, every microbatch and data-parallel rank together (a Hugging Face model's label
+        tokens, or what ``loss_fn`` says it counts: atorch/loss), so padded microbatches weigh
+        as they would in one batch; with ``return_mb_loss``, each microbatch's own loss instead.
+        Gradients are left in the local parameters: the gradient of that mean, the same on every
+        data-parallel rank.
         """
         return self._run(kwargs, train=True)
 
@@ -284,27 +296,68 @@ class PipelineModel(nn.Module):
             self._traced_schedule(self._microbatches[0])
         args = tuple(kwargs[name].to(self.device) for name in inputs) if self.has_first else ()
         target = torch.arange(self.num_microbatches) if self.has_last else None
-        losses: list = []
         run = self._schedule.step if train else self._schedule.eval
         extra = {"return_outputs": False} if train else {}
         self._in_schedule = True  # from here a failure leaves the ranks out of step
-        run(*args, target=target, losses=losses, **extra)
+        self._parts, self._mb_losses = {}, {}
+        run(*args, target=target, losses=[], **extra)
         self._microbatches = []
-        if train:
-            self._average_data_parallel_grads()
-            self._sync_tied(weights=False)
         last_rank = self.stages[0].stage_index_to_group_rank[self.num_stages - 1]
-        return reduce_losses(losses if self.has_last else None, self.topology, self.pipeline_group, last_rank,
-                             self.num_microbatches, self.return_mb_loss, self.broadcast_and_average_loss)
+        totals = self._step_totals(last_rank)
+        if train:
+            self._reduce_data_parallel_grads(self._expected / max(float(totals[0]), 1.0))
+            self._sync_tied(weights=False)
+            if totals[0] > 0:
+                self._expected = float(totals[0]) / (self.topology.data_parallel_size * self.num_microbatches)
+        return self._returned_loss(totals, last_rank)
+
+    def _step_totals(self, last_rank: int) -> torch.Tensor:
+        """The step's ``[count, sum, samples]`` over every microbatch and data rank, on every rank."""
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        if self.has_last and self._parts:
+            totals = torch.stack(list(self._parts.values())).sum(0).to(self.device)
+        group = self.pipeline_group
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.broadcast(totals, group_src=last_rank, group=group)
+        if self.topology.data_parallel_size > 1:
+            dist.all_reduce(totals, group=self.topology.data_parallel_group)
+        return totals
+
+    def _returned_loss(self, totals: torch.Tensor, last_rank: int):
+        if self.return_mb_loss:  # each microbatch's own mean, as NxD returns them
+            return reduce_losses([self._mb_losses[i] for i in sorted(self._mb_losses)] if self.has_last else None, self.topology, self.pipeline_group,
+                                 last_rank, self.num_microbatches, True, self.broadcast_and_average_loss)
+        if not (self.has_last or self.broadcast_and_average_loss):
+            return None
+        # the global batch's mean over what its losses count (NaN where it counts nothing)
+        loss = (totals[1] / totals[0]).float()
+        setattr(loss, STEP_TOTALS, totals)
+        return loss
 
     def _microbatch_loss(self, output, index: torch.Tensor) -> torch.Tensor:
         # The schedule hands each microbatch's "target": its index (the whole range while it infers shapes).
-        batch = self._microbatches[int(index.reshape(-1)[0]) if not index.is_meta and index.numel() else 0]
+        which = int(index.reshape(-1)[0]) if not index.is_meta and index.numel() else 0
+        batch = self._microbatches[which]
         inputs = set(self.layout.inputs or list(batch)[:1])
         model_output = self.layout.model_output(output, {k: v for k, v in batch.items() if k not in inputs})
         if self.loss_fn is not None:
-            return self.loss_fn(batch, model_output)
-        return pick_loss(model_output, self.output_loss_value_spec)
+            loss = self.loss_fn(batch, model_output)
+        else:
+            loss = pick_loss(model_output, self.output_loss_value_spec)
+            if self._count_rule is not None and count_of(loss) is None and loss is getattr(model_output, "loss", None):
+                count = self._count_rule.count(batch)
+                if count is not None:
+                    with_count(loss, count)
+        if loss.is_meta or index.is_meta or index.numel() != 1:  # the schedule inferring shapes: not a step's
+            return loss
+        return self._weighed(loss, batch, which)
+
+    def _weighed(self, loss: torch.Tensor, batch: dict, which: int) -> torch.Tensor:
+        """What the schedule runs backward on: the microbatch's loss times its count over K; the
+        gradients are multiplied by ``K / N`` after the step (:meth:`_reduce_data_parallel_grads`)."""
+        part = weighed_part(loss, samples_of(loss) or batch_samples(batch))
+        self._parts[which], self._mb_losses[which] = part, loss.detach()
+        return loss * (part[0] / self._expected).to(loss.dtype)
 
     def _sync_tied(self, weights: bool) -> None:
         """A tied weight lives on every rank whose stages use it (one copy per rank). Weights: the
@@ -331,16 +384,14 @@ class PipelineModel(nn.Module):
             else:
                 param.grad = value
 
-    def _average_data_parallel_grads(self) -> None:
+    def _reduce_data_parallel_grads(self, factor: float) -> None:
+        """Gradients summed over the data ranks, then multiplied by ``factor`` (``K / N``)."""
         group, size = self.topology.data_parallel_group, self.topology.data_parallel_size
-        if size == 1:
-            return
         for param in self.local_parameters():
             if param.grad is not None:
-                dist.all_reduce(param.grad, group=group)
-                param.grad /= size
-
-
+                if size > 1:
+                    dist.all_reduce(param.grad, group=group)
+                param.grad.mul_(factor)
 
 
 def _tied_parameters(module: nn.Module, stage_units: list[list[str]]) -> list[list[tuple[int, str]]]:

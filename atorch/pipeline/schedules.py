@@ -61,12 +61,13 @@ def build_schedule(schedule: str, stages: list, num_microbatches: int, loss_fn):
     from torch.distributed import pipelining
 
     cls = getattr(pipelining, SCHEDULES[schedule])
-    # scale_grads: gradients are divided by the number of microbatches, so a per-microbatch mean
-    # loss gives the gradient of the mean over the whole batch, as in the serial model.
+    # scale_grads=False: PipelineModel weighs each microbatch's loss by what it counts and scales
+    # the gradients by the whole batch's count after the step (atorch/loss), which a division by
+    # the number of microbatches would undo.
     try:
         if schedule in SINGLE_STAGE:
-            return cls(stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=True)
-        return cls(stages, num_microbatches, loss_fn=loss_fn, scale_grads=True)
+            return cls(stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
+        return cls(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
     except ValueError as error:  # torch's own checks (e.g. 1F1B needs at least as many microbatches as stages)
         raise MethodConfigError(f"schedule {schedule!r} with {num_microbatches} microbatches: {error}; change "
                                 "num_microbatches or the schedule") from None

@@ -40,6 +40,27 @@ class CountingTokens(torch.utils.data.Dataset):
         return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
 
 
+class PaddedTokens(torch.utils.data.Dataset):
+    """What a tokenizer and a collator give: right-padded sequences of 2 to ``seq`` tokens, the
+    padding masked out (``attention_mask`` 0) and ignored by the loss (``labels`` -100). Samples
+    carry very different numbers of label tokens, so a mean of per-part means is not the batch's
+    token mean (issue 51)."""
+
+    def __init__(self, n: int = 64, seq: int = SEQ, pad_id: int = 0):
+        gen = torch.Generator().manual_seed(1)
+        self.tokens = torch.randint(1, VOCAB, (n, seq), generator=gen)
+        lengths = torch.randint(2, seq + 1, (n,), generator=gen)
+        self.mask = (torch.arange(seq) < lengths[:, None]).long()
+        self.tokens[self.mask == 0] = pad_id
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        labels = self.tokens[i].masked_fill(self.mask[i] == 0, -100)
+        return {"input_ids": self.tokens[i], "attention_mask": self.mask[i], "labels": labels}
+
+
 def train_hf(load_strategy, steps: int = 5, lora: bool = False, lr: float = 1e-2, micro_batches: int = 1,
              param_dtype: torch.dtype | None = None) -> dict:
     """Train the tiny Llama through auto_accelerate (see models.train_steps for the last two)."""
