@@ -73,7 +73,8 @@ def wrap(ctx: ModelContext, config: Ds3dParallelConfig) -> None:
     }
     engine, _, _, _ = deepspeed.initialize(model=ctx.model, optimizer=ctx.base_optim,
                                            config=_merge(ds_config, merged(config) or {}), dist_init_required=False)
-    ctx.model = DeepSpeedPipelineCall(engine, engine.module.atorch_layout, config.num_microbatches)
+    ctx.model = DeepSpeedPipelineCall(engine, engine.module.atorch_layout, config.num_microbatches,
+                                      engine.module.atorch_weights)
     ctx.optim = SteppedByEngine(ctx.base_optim)
     ctx.loss_func = lambda batch, loss: loss
     ctx.args["backward_in_forward"] = True
