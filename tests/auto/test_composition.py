@@ -193,6 +193,16 @@ def test_the_matrix_check_fails_without_training_and_in_the_wrong_precision():
     assert not check_round_trip(("zero2_ds",), {"refused": "atorch.checkpoint cannot save or load a DeepSpeed engine"})
 
 
+def test_the_old_mean_of_means_fails_the_matrix_on_padded_batches():
+    # Negative control of issue 51: weighting each part as one (data ranks, accumulation
+    # micro-batches, pipeline microbatches) trains another model than the whole batch does.
+    cases = [("zero1",), ("gradient_accumulation",), ("pipeline_parallel",)]
+    results = run_distributed(C.run_cases, 2, cases, 2, None, "per_part_mean", timeout_s=300)
+    problems = check(results[0], 2)
+    assert len(problems) == len(cases), "\n\n".join(problems)
+    assert all("gap" in problem for problem in problems), problems
+
+
 TRIPLES = [
     ("tensor_parallel", "fsdp", "amp_native", "checkpoint"),
     ("pipeline_parallel", "amp_native", "checkpoint"),

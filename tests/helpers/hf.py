@@ -27,6 +27,35 @@ def tiny_llama(seed: int = 0, lora: bool = False):
     return model
 
 
+class UnmaskedPadding(torch.utils.data.Dataset):
+    """PaddedTokens without the attention mask (module-level, so spawned ranks can build it)."""
+
+    def __init__(self, n: int = 64):
+        self.data = PaddedTokens(n, mask=False)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i]
+
+
+class EmptySecondBatch(torch.utils.data.Dataset):
+    """PaddedTokens whose samples 8 to 15 (the second global batch of 8) have no label at all."""
+
+    def __init__(self, n: int = 64):
+        self.data = PaddedTokens(n)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        item = dict(self.data[i])
+        if 8 <= i < 16:
+            item["labels"] = torch.full_like(item["labels"], -100)
+        return item
+
+
 class CountingTokens(torch.utils.data.Dataset):
     def __init__(self, n: int = 64, seq: int = SEQ):
         gen = torch.Generator().manual_seed(0)
@@ -44,9 +73,11 @@ class PaddedTokens(torch.utils.data.Dataset):
     """What a tokenizer and a collator give: right-padded sequences of 2 to ``seq`` tokens, the
     padding masked out (``attention_mask`` 0) and ignored by the loss (``labels`` -100). Samples
     carry very different numbers of label tokens, so a mean of per-part means is not the batch's
-    token mean (issue 51)."""
+    token mean (issue 51). ``mask=False`` leaves the attention mask out (the labels alone mark the
+    padding: with right padding and causal attention the loss is the same)."""
 
-    def __init__(self, n: int = 64, seq: int = SEQ, pad_id: int = 0):
+    def __init__(self, n: int = 64, seq: int = SEQ, pad_id: int = 0, mask: bool = True):
+        self.with_mask = mask
         gen = torch.Generator().manual_seed(1)
         self.tokens = torch.randint(1, VOCAB, (n, seq), generator=gen)
         lengths = torch.randint(2, seq + 1, (n,), generator=gen)
@@ -58,6 +89,8 @@ class PaddedTokens(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         labels = self.tokens[i].masked_fill(self.mask[i] == 0, -100)
+        if not self.with_mask:
+            return {"input_ids": self.tokens[i], "labels": labels}
         return {"input_ids": self.tokens[i], "attention_mask": self.mask[i], "labels": labels}
 
 

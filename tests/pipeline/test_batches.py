@@ -69,16 +69,12 @@ def _xy() -> dict:
 
 
 def _serial(model: nn.Module, batch: dict, micro: int) -> tuple[float, dict]:
-    """The mean microbatch loss and the gradients, as the pipeline computes them."""
-    size = next(iter(batch.values())).shape[0] // micro
-    total = 0.0
-    for i in range(micro):
-        part = {k: v[i * size:(i + 1) * size] for k, v in batch.items()}
-        out = model(**part)
-        loss = (out if isinstance(out, torch.Tensor) else out.loss) / micro
-        loss.backward()
-        total += loss.item()
-    return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    """The whole batch's loss and gradients: a padded batch's microbatches weigh by their label
+    tokens (issue 51), so the pipeline equals the model run once on everything."""
+    out = model(**batch)
+    loss = out if isinstance(out, torch.Tensor) else out.loss
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _compare(build, batch: dict, micro: int, **pipeline) -> dict:
