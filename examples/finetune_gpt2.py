@@ -77,7 +77,7 @@ def main() -> None:
     step = 0
     if args.ckpt_dir and ckpt.exists(args.ckpt_dir):
         step = ckpt.load(args.ckpt_dir, result.model, result.optim, result.lr_scheduler, result.dataloader)["step"]
-    log = StepLogger(every=args.log_every, samples_per_step=args.global_batch * args.accumulation, start=step)
+    log = StepLogger(every=args.log_every, start=step)  # samples and tokens come from result.last_step
     batches = iter(result.dataloader)
     while step < args.steps:
         batch = next(batches, None)
@@ -87,10 +87,12 @@ def main() -> None:
         batch = result.prepare_input(batch, atorch.device())
         loss = result.loss_func(batch, result.model(**batch))
         result.backward(loss)
-        if result.sync_gradients:  # the last micro-step of this optimizer step
+        stepped = result.sync_gradients  # the last micro-step of this optimizer step
+        if stepped:
             atorch.auto.clip_grad_norm(result.model, 1.0)
             step += 1
-        log.step(loss, stepped=result.sync_gradients)  # every micro-batch's loss; optimizer steps counted
+        # the global batch's token mean, tokens and samples, once per optimizer step
+        log.step(result.last_step if stepped else None, stepped=stepped)
         result.step()
     log.flush()
     if args.ckpt_dir:

@@ -93,23 +93,24 @@ def main() -> None:
         print(f"world size {atorch.world_size()}, applied {strategy}", flush=True)
 
     model = result.model
-    start = time.perf_counter()
-    for step, batch in enumerate(result.dataloader):
-        if step == args.steps:
-            break
+    start, step = time.perf_counter(), 0
+    for batch in result.dataloader:
         batch = result.prepare_input(batch, atorch.device())
         loss = result.loss_func(batch, model(**batch))
         result.backward(loss)  # the same two calls under every strategy atorch may pick
+        stepped = result.sync_gradients  # False on a micro-batch of gradient accumulation
         result.step()
-        if step % 5 == 0 or step == args.steps - 1:
-            value = loss.detach().float()
-            if atorch.world_size() > 1:
-                torch.distributed.all_reduce(value)
-                value /= atorch.world_size()
-            if atorch.rank() == 0:
-                print(f"step {step:3d}  loss {value.item():.4f}", flush=True)
+        if not stepped:
+            continue
+        step += 1  # optimizer steps, not loader batches
+        if step % 5 == 1 or step == args.steps:
+            last = result.last_step  # the global batch's token mean, the same on every rank
+            if atorch.rank() == 0 and last.loss is not None:
+                print(f"step {step:3d}  loss {last.loss:.4f}  ({last.tokens} tokens)", flush=True)
+        if step == args.steps:
+            break
     if atorch.rank() == 0:
-        print(f"done: {args.steps} steps in {time.perf_counter() - start:.1f}s", flush=True)
+        print(f"done: {step} optimizer steps in {time.perf_counter() - start:.1f}s", flush=True)
     atorch.shutdown()  # every rank leaves together, so a finished job exits 0
 
 

@@ -1,15 +1,21 @@
 """A training-progress line every few steps, and the writers that send the same figures elsewhere.
 
-    log = StepLogger(every=10, samples_per_step=global_batch, writers=[TensorBoardWriter("runs/x")])
-    for step, batch in enumerate(result.dataloader):
+    log = StepLogger(every=10, writers=[TensorBoardWriter("runs/x")])
+    for batch in result.dataloader:
         ...
+        result.backward(loss)
+        stepped = result.sync_gradients
         result.step()
-        log.step(loss, stepped=result.sync_gradients)   # every 10th optimizer step, on rank 0:
-        # step   10  loss 3.2104  812.4 samples/s  peak 1.2GiB
+        log.step(result.last_step if stepped else None, stepped=stepped)   # every 10th step, rank 0:
+        # step   10  loss 3.2104  812.4 samples/s  20795 tokens/s  peak 1.2GiB
 
-The loss is the mean over the ranks and over the steps since the last line (one all-reduce per
-line, none between lines); samples/s counts the whole job's samples; peak memory is the largest
-over the ranks (the device's allocator peak on GPU, the process's peak resident size on CPU).
+Given ``result.last_step`` (a :class:`~atorch.loss.StepLoss`), the loss is each optimizer step's
+global batch's mean over its label tokens (what the serial model would print, whatever the
+strategy splits), averaged over the steps since the last line; samples and tokens are counted
+from it. Given a loss tensor instead (any loop), the loss is the mean over the ranks and steps
+(one all-reduce per line, none between lines) and samples/s needs ``samples_per_step``. Peak
+memory is the largest over the ranks (the device's allocator peak on GPU, the process's peak
+resident size on CPU).
 A writer is any callable ``writer(metrics: dict, step: int)``; TensorBoard and Weights & Biases
 writers are here, imported only when built.
 """
@@ -21,16 +27,18 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from atorch.loss.step import StepLoss
 from atorch.utils.log import logger
 
 Writer = Callable[[dict, int], None]
 
 
 class StepLogger:
-    """Logs ``step  loss  samples/s  peak`` every ``every`` calls to :meth:`step` (see module doc).
+    """Logs ``step  loss  samples/s  tokens/s  peak`` every ``every`` calls to :meth:`step` (see module doc).
 
     ``samples_per_step``: samples of the whole job per optimizer step (the global batch, times the
-    gradient accumulation steps); without it no rate is shown. ``start``: the step count so far
+    gradient accumulation steps), for steps logged with a loss tensor; ``result.last_step``
+    brings its own samples and tokens. ``start``: the step count so far
     (a resumed run's), so lines carry the job's step numbers. Every rank must call :meth:`step`
     (the line's all-reduce runs on all of them); only rank 0 logs and writes.
     """
@@ -45,16 +53,24 @@ class StepLogger:
         self._logged_at = start  # self.steps at the last line
         self._loss_sum: torch.Tensor | None = None
         self._count = 0
+        self._global: list[float] = []  # StepLoss losses since the last line (already the same on every rank)
+        self._tokens = self._samples = 0  # StepLoss counts since the last line
         self._since = time.perf_counter()
 
-    def step(self, loss: torch.Tensor | float | None = None, *, stepped: bool = True) -> dict | None:
+    def step(self, loss: "StepLoss | torch.Tensor | float | None" = None, *, stepped: bool = True) -> dict | None:
         """Count one optimizer step with its loss; every ``every`` steps, log and return the metrics.
+
+        ``loss``: ``result.last_step`` (the global batch's loss and counts), or a loss tensor.
 
         Under gradient accumulation, call it for every micro-batch with
         ``stepped=result.sync_gradients``: the micro-batches' losses join the mean, and only the
         call that completes an accumulation counts a step (so step numbers and samples/s are the
         optimizer's, not the micro-batches')."""
-        if loss is not None:
+        if isinstance(loss, StepLoss):
+            self._tokens, self._samples = self._tokens + loss.tokens, self._samples + loss.samples
+            if loss.loss is not None:  # None: a step without a counted label (skipped)
+                self._global.append(loss.loss)
+        elif loss is not None:
             value = loss.detach().float().reshape(()) if torch.is_tensor(loss) else torch.tensor(float(loss))
             self._loss_sum = value if self._loss_sum is None else self._loss_sum + value.to(self._loss_sum.device)
             self._count += 1
@@ -82,12 +98,20 @@ class StepLogger:
             dist.all_reduce(totals)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         metrics: dict = {}
-        if totals[1] > 0:
+        if self._global:
+            metrics["loss"] = sum(self._global) / len(self._global)
+        elif totals[1] > 0:
             metrics["loss"] = (totals[0] / totals[1]).item()
-        if self.samples_per_step and elapsed > 0:
-            metrics["samples_per_second"] = self.samples_per_step * steps / elapsed
+        samples = self._samples or (self.samples_per_step or 0) * steps
+        if samples and elapsed > 0:
+            metrics["samples_per_second"] = samples / elapsed
+        if self._tokens:
+            metrics["tokens"] = self._tokens
+            if elapsed > 0:
+                metrics["tokens_per_second"] = self._tokens / elapsed
         metrics["peak_memory_bytes"] = int(peak.item())
         self._loss_sum, self._count, self._since, self._logged_at = None, 0, time.perf_counter(), self.steps
+        self._global, self._tokens, self._samples = [], 0, 0
         if _rank() == 0:
             logger.info(self.prefix + format_metrics(self.steps, metrics))
             for writer in self.writers:
@@ -103,6 +127,8 @@ def format_metrics(step: int, metrics: dict) -> str:
         parts.append(f"loss {metrics['loss']:.4f}")
     if "samples_per_second" in metrics:
         parts.append(f"{metrics['samples_per_second']:.1f} samples/s")
+    if "tokens_per_second" in metrics:
+        parts.append(f"{metrics['tokens_per_second']:.0f} tokens/s")
     parts.append(f"peak {size_text(metrics['peak_memory_bytes'])}")
     return "  ".join(parts)
 

@@ -96,3 +96,19 @@ def test_under_accumulation_lines_count_optimizer_steps():
     assert [step for step, _ in seen] == [2, 4] and log.steps == 4
     for (_, metrics), part in zip(seen, (losses[:4], losses[4:])):
         assert abs(metrics["loss"] - sum(part) / 4) < 1e-6
+
+
+def test_the_global_step_loss_brings_its_own_tokens_and_samples():
+    from atorch.loss import StepLoss
+
+    seen = []
+    log = StepLogger(every=2, writers=[lambda metrics, step: seen.append(metrics)])
+    assert log.step(StepLoss(2.0, 100, 8)) is None
+    assert log.step(None, stepped=False) is None  # an accumulation micro-batch: no step
+    metrics = log.step(StepLoss(4.0, 50, 8))
+    assert metrics["loss"] == 3.0 and metrics["tokens"] == 150
+    assert metrics["tokens_per_second"] / metrics["samples_per_second"] == 150 / 16
+    # a step that counted nothing (skipped) adds no loss
+    log.step(StepLoss(None, 0, 8))
+    assert log.step(StepLoss(1.0, 10, 8))["loss"] == 1.0
+    assert "tokens/s" in format_metrics(2, metrics)
