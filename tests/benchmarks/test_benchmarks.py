@@ -154,3 +154,12 @@ def test_plan_llama_benchmark_runs_and_writes_results(tmp_path):
     markdown = plan_llama.main(["--tiny", "--out", str(tmp_path / "plan_llama")])
     cases = json.loads((tmp_path / "plan_llama.json").read_text())["cases"]
     assert "7B" in markdown and cases[0]["top"] and cases[0]["top"][0]["reason"] == "fastest that fits"
+
+
+def test_loss_normalization_benchmark_runs_and_writes_results(tmp_path):
+    from benchmarks import loss_normalization
+
+    out = tmp_path / "loss_normalization"
+    markdown = loss_normalization.main(["--tiny", "--repeats", "1", "--steps", "1", "--splits", "ddp",
+                                        "--out", str(out), "--plot", str(tmp_path / "x.png")])
+    assert "| ddp |" in markdown and out.with_suffix(".json").exists()
