@@ -1,9 +1,10 @@
 """gradient_accumulation: each batch trained as ``steps`` micro-batches whose gradients add up.
 
 ``("gradient_accumulation", {"steps": 4})``: the dataloader yields a quarter of the global batch
-per call; ``result.backward`` divides each micro-batch's loss by 4 and keeps the data-parallel
-gradient reduction off until the fourth; ``result.step`` steps after that one. The optimizer
-steps on the same samples as without the method (for a loss that averages over the batch), with
+per call; ``result.backward`` weighs each micro-batch's loss by its label tokens
+(docs/loss_normalization.md) and keeps the data-parallel gradient reduction off until the
+fourth; ``result.step`` steps after that one. The optimizer steps on the same samples, with the
+same gradient, as without the method (padded batches too), with
 one micro-batch's activations alive instead of the whole batch's: memory for time (each
 micro-batch runs the model's operators again). The search tries it when a candidate may not fit.
 
