@@ -22,12 +22,14 @@ def measure(model: torch.nn.Module, strategies: Sequence[Any], optim_func, datas
     from atorch.auto.environment import DeviceContext
     from atorch.auto.plan import plan_strategy
     from atorch.auto.strategy import parse_strategy
+    from atorch.loss.contract import counted_loss
 
     device_ctx = DeviceContext.detect()
     option_names = set(SearchOptions.__dataclass_fields__) - {"memory_budget", "budget_is_device_memory"}
     options = SearchOptions(memory_budget=memory_budget or 2**62, budget_is_device_memory=memory_budget is None,
                             **{k: job.pop(k) for k in list(job) if k in option_names})
     job.setdefault("prepare_input", move_to_device)
+    loss_func = counted_loss(model, loss_func, "tokens")  # the dry runs weigh their parts as a job does
 
     def make_context(module):
         return ModelContext(model=module, device_ctx=device_ctx, optim_func=optim_func, dataset=dataset,

@@ -40,7 +40,7 @@ def cache_key(model: torch.nn.Module, ctx: Any, device_ctx: Any, budget: int, ex
         "model": repr(model),
         "params": [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()],
         "optim": [_name(ctx.optim_func), repr(sorted(ctx.optim_args.items()))],
-        "loss": _name(ctx.loss_func),
+        "loss": _name(getattr(ctx.loss_func, "loss_func", ctx.loss_func)),  # the user's, inside CountedLoss
         "data": [_name(ctx.dataset), len(ctx.dataset) if hasattr(ctx.dataset, "__len__") else None,
                  repr(sorted(ctx.dataloader_args.items())), _sample_shapes(ctx.dataset)],
         "input_format": getattr(ctx, "model_input_format", None),
