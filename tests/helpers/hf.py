@@ -41,17 +41,18 @@ class UnmaskedPadding(torch.utils.data.Dataset):
 
 
 class EmptySecondBatch(torch.utils.data.Dataset):
-    """PaddedTokens whose samples 8 to 15 (the second global batch of 8) have no label at all."""
+    """PaddedTokens whose samples ``empty[0]`` to ``empty[1] - 1`` have no label at all (by
+    default 8 to 15: the second global batch of 8)."""
 
-    def __init__(self, n: int = 64):
-        self.data = PaddedTokens(n)
+    def __init__(self, n: int = 64, empty: tuple[int, int] = (8, 16)):
+        self.data, self.empty = PaddedTokens(n), empty
 
     def __len__(self):
         return len(self.data)
 
     def __getitem__(self, i):
         item = dict(self.data[i])
-        if 8 <= i < 16:
+        if self.empty[0] <= i < self.empty[1]:
             item["labels"] = torch.full_like(item["labels"], -100)
         return item
 

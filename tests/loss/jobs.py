@@ -12,10 +12,12 @@ BATCH, STEPS, LR = 8, 3, 0.5
 
 
 def dataset(mask: bool | str = True):
-    """Padded batches with their attention mask, without it (``False``), or with a second global
-    batch that counts nothing (``"empty"``)."""
+    """Padded batches with their attention mask, without it (``False``), with a second global
+    batch that counts nothing (``"empty"``), or whose first half counts nothing (``"half"``)."""
     from tests.helpers.hf import EmptySecondBatch, PaddedTokens, UnmaskedPadding
 
+    if mask == "half":
+        return EmptySecondBatch(empty=(8, 12))
     return {True: PaddedTokens, False: UnmaskedPadding, "empty": EmptySecondBatch}[mask]()
 
 

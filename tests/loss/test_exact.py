@@ -135,3 +135,16 @@ def test_a_step_without_labels_is_skipped_and_poisons_nothing():
         assert result["steps"][1].tokens == 0 and result["steps"][1].loss is None, (name, result["steps"][1])
         loss_gap, weight_gap = gaps(result, reference)
         assert loss_gap < LOSS_RTOL and weight_gap < WEIGHT_TOL, (name, loss_gap, weight_gap)
+
+
+def test_a_micro_batch_without_labels_adds_nothing_to_its_step():
+    # Samples 8-11 have no label: under accumulation 2 (4 samples a loader batch) the second
+    # step's first micro-batch counts nothing on every rank; the step trains on the other half.
+    reference = jobs.serial(mask="half")
+    assert all(loss is not None for loss in reference["losses"])
+    results = run_cases([(DATA2, {"mask": "half", "accumulation": 2, "batch_size": 4}),
+                         ([*DATA2, ("gradient_accumulation", {"steps": 2})], {"mask": "half"})])
+    for result in results:
+        assert result["skipped"] == 0
+        loss_gap, weight_gap = gaps(result, reference)
+        assert loss_gap < LOSS_RTOL and weight_gap < WEIGHT_TOL, (loss_gap, weight_gap)
