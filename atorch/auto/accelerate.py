@@ -33,8 +33,15 @@ class AutoAccelerateResult(collections.namedtuple(
     run otherwise than written were also logged at WARNING.
     """
 
-    # No __slots__: ``notes`` lives in the instance's __dict__, beside the tuple.
+    # No __slots__: ``notes`` and ``loss_tokens`` live in the instance's __dict__, beside the tuple.
     notes: tuple[str, ...] = ()
+    loss_tokens: StepTokens | None = None  # each part's weighting (atorch/loss/step.py); None: the per-part mean
+
+    def _replace(self, **fields):
+        """namedtuple's ``_replace``, keeping ``notes`` and ``loss_tokens`` (not tuple fields)."""
+        out = super()._replace(**fields)
+        out.notes, out.loss_tokens = self.notes, self.loss_tokens
+        return out
 
     def backward(self, loss) -> None:
         """``loss.backward()``, or what replaces it under this strategy (atorch/auto/loop.py).
@@ -42,20 +49,19 @@ class AutoAccelerateResult(collections.namedtuple(
         With ``gradient_accumulation_steps=n`` the loss is divided by ``n`` and gradients are
         reduced over the data-parallel ranks only on every ``n``-th call.
         """
-        loop.backward(self.args, self.optim, loss, self.model)
+        loop.backward(self.args, self.optim, loss, self.model, self.loss_tokens)
 
     def step(self) -> None:
         """``optim.step()`` then ``optim.zero_grad()``, or what replaces them under this strategy;
         under gradient accumulation, only once the ``n``-th backward has run."""
-        loop.step(self.args, self.optim)
+        loop.step(self.args, self.optim, self.loss_tokens)
 
     @property
     def last_step(self):
         """The last optimizer step's :class:`~atorch.loss.StepLoss` (the global batch's mean loss
         over its counted tokens, the tokens, the samples), the same on every rank; None before the
         first step completes. Read it after the ``backward`` that completes a step."""
-        tokens = self.args.get(loop.TOKENS)
-        return tokens.last if tokens is not None else None
+        return self.loss_tokens.last if self.loss_tokens is not None else None
 
     @property
     def sync_gradients(self) -> bool:
@@ -213,6 +219,7 @@ def auto_accelerate(
         ctx.model, ctx.optim, ctx.dataloader, ctx.loss_func, ctx.prepare_input, ctx.lr_scheduler, ctx.args
     )
     result.notes = tuple(notes)
+    result.loss_tokens = ctx.loss_tokens
     return True, result, strategy
 
 
@@ -256,4 +263,4 @@ def apply_strategy(ctx: ModelContext, strategy: Strategy, stage_barrier: Callabl
             if error is not None:
                 raise error
             raise RuntimeError(f"another rank failed while applying stage {stage.name}")
-    ctx.args[loop.TOKENS] = StepTokens(ctx.topology.data_parallel_group, ctx.topology.data_parallel_size)
+    ctx.loss_tokens = StepTokens(ctx.topology.data_parallel_group, ctx.topology.data_parallel_size)

@@ -107,6 +107,9 @@ class ModelContext:
     lr_scheduler: Any = None
     # The name of the method that wrapped the model for data parallelism (ddp, fsdp, zero2...).
     wrapped_by: str | None = None
+    # How result.backward weighs each part of a split batch (atorch/loss/step.py), set once the
+    # strategy is applied (its data group is known then).
+    loss_tokens: Any = None
     args: dict = field(
         default_factory=lambda: {"use_optim_backward": False, "requires_set_gradient_accumulation_boundary": False}
     )

@@ -18,18 +18,20 @@ import torch
 
 from atorch.auto.inputs import check_loss
 from atorch.loss.contract import STEP_TOTALS
+from atorch.loss.step import StepTokens
 from atorch.utils.log import logger
 
 ACCUMULATION_STEPS = "gradient_accumulation_steps"
 MICROSTEP = "microstep"  # backwards run so far (kept in result.args, so it travels with the result)
-TOKENS = "loss_tokens"  # the StepTokens that weights each part's loss (atorch/loss/step.py)
 
 
-def backward(args: dict, optim: Any, loss: torch.Tensor | tuple | list, model: torch.nn.Module | None = None) -> None:
+def backward(args: dict, optim: Any, loss: torch.Tensor | tuple | list, model: torch.nn.Module | None = None,
+             tokens: StepTokens | None = None) -> None:
     """Backward of ``loss`` (a loss or a sequence whose first item is the loss) the strategy's way,
-    weighted by what it counts (atorch/loss/step.py) so the step trains on the global batch's mean."""
+    weighted by what it counts through ``tokens`` (atorch/loss/step.py: the applied strategy's
+    ``ModelContext.loss_tokens``) so the step trains on the global batch's mean; without it, the
+    per-part mean."""
     loss = loss[0] if isinstance(loss, (tuple, list)) else loss
-    tokens = args.get(TOKENS)
     if args.get("backward_in_forward"):  # pipeline methods: the model call ran the backward
         if tokens is not None and torch.is_tensor(loss) and hasattr(loss, STEP_TOTALS):
             tokens.record(getattr(loss, STEP_TOTALS))
@@ -55,7 +57,7 @@ def backward(args: dict, optim: Any, loss: torch.Tensor | tuple | list, model: t
         set_gradient_sync(model, (args[MICROSTEP] + 1) % steps == 0)
 
 
-def step(args: dict, optim: Any) -> None:
+def step(args: dict, optim: Any, tokens: StepTokens | None = None) -> None:
     """The optimizer step, then gradients cleared for the next one (DeepSpeed clears them itself).
 
     Under gradient accumulation, a call before the accumulation is complete does nothing. A step
@@ -65,7 +67,6 @@ def step(args: dict, optim: Any) -> None:
     """
     if not sync_gradients(args):
         return
-    tokens = args.get(TOKENS)
     if tokens is not None and tokens.empty and not args.get("step_in_forward"):
         tokens.skipped += 1
         logger.warning("skipped an optimizer step: its global batch has no counted label (every label is -100); "

@@ -328,6 +328,9 @@ class StepCost:
                 windows[phase] -= behind
                 hidden += behind
             comm += seconds - hidden
+        for kind, payload, calls in self.loss_count_collectives():  # blocking, before the backward: not hidden
+            bandwidth, latency = self._link(DATA_PARALLEL_DIMS, kind)
+            comm += payload * 2 * (dp - 1) / dp / bandwidth + latency * calls
         element = 2 if self.compute_dtype == "half" else 4
         for c in self.comms:
             if self.size(c.dim) > 1:
@@ -373,6 +376,12 @@ class StepCost:
                 payload *= self.sync_share.get(kind, 1.0)
                 out.append((kind, payload * times, self._calls(kind, payload)))
         return out
+
+    def loss_count_collectives(self) -> list[tuple[str, float, float]]:
+        """The step's loss normalization (atorch/loss/step.py) as ``(kind, payload bytes,
+        collectives)``: one all-reduce of ``[count, sum, samples]`` (3 float64) over the data
+        ranks a step, whatever the accumulation."""
+        return [("all_reduce", 24.0, 1.0)] if self.dp_size > 1 else []
 
     def _calls(self, kind: str, payload: float) -> float:
         """Collectives of ``kind`` in the data-parallel sync of ``payload`` bytes (the gradients

@@ -94,7 +94,7 @@ def train(strategy, mask: bool | str = True, accumulation: int = 1, normalizatio
         steps_out.append(result.last_step)
     pipelined = result.args.get("backward_in_forward", False)
     return {"steps": steps_out, "after": None if pipelined else full_weights(model),
-            "skipped": result.args["loss_tokens"].skipped}
+            "skipped": result.loss_tokens.skipped}
 
 
 def full_weights(model: torch.nn.Module) -> torch.Tensor:
