@@ -7,6 +7,8 @@ encoder-decoder's decoder counts its labels as they are. A batch that brings ``s
 (already shifted) is counted as it is.
 """
 
+import functools
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -55,21 +57,35 @@ def _field(batch: Any, name: str) -> torch.Tensor | None:
 def rule_for(model: torch.nn.Module) -> LabelRule | None:
     """The counting rule of a Hugging Face model's own loss; None for a model atorch cannot read.
 
-    Causal LMs (``...ForCausalLM``, ``GPT2LMHeadModel``, decoder-only ``...ForConditionalGeneration``
-    such as vision-language models) shift; encoder-decoders (T5, BART), masked LMs and classifiers
-    do not.
+    Encoder-decoders (T5, BART) count their decoder labels as they are. Otherwise the forward is
+    read: one that calls ``self.loss_function`` shifts where that is transformers' causal-LM loss
+    (``...ForCausalLM``, ``GPT2LMHeadModel``, vision-language ``...ForConditionalGeneration``);
+    one that computes its own loss shifts where it slices its logits or labels by one (``[...,
+    :-1`` or a ``shift_`` name): ``BartForCausalLM`` and masked LMs do not.
     """
     model = _user_module(model)
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "loss_function"):
         return None
-    name = type(model).__name__
-    loss_type = getattr(model, "loss_type", None) or ""
     if getattr(config, "is_encoder_decoder", False):
         return LabelRule(shift=False)
-    causal = (loss_type in ("ForCausalLM", "ForConditionalGeneration") or name.endswith("ForCausalLM")
-              or name.endswith("LMHeadModel") or name.endswith("ForConditionalGeneration"))
-    return LabelRule(shift=causal)
+    loss_type = getattr(model, "loss_type", None)
+    return LabelRule(shift=_forward_shifts(type(model), loss_type if isinstance(loss_type, str) else None))
+
+
+@functools.cache
+def _forward_shifts(cls: type, loss_type: str | None) -> bool:
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # no source (a compiled or generated class): the name says
+        return cls.__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    if "self.loss_function(" in source:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+
+        mapped = LOSS_MAPPING.get(loss_type) if loss_type is not None else None
+        # transformers falls back to the causal-LM loss where the class names no known loss type
+        return mapped is None or mapped is LOSS_MAPPING["ForCausalLM"]
+    return "[..., :-1" in source or "shift_" in source
 
 
 def _user_module(model: torch.nn.Module) -> torch.nn.Module:

@@ -109,3 +109,19 @@ def test_an_unknown_normalization_is_refused_by_name():
         auto_accelerate(tiny_llama(), torch.optim.SGD, PaddedTokens(), lambda b, out: out.loss, optim_args={"lr": 0.1},
                         dataloader_args={"batch_size": 4}, model_input_format="unpack_dict", load_strategy=[],
                         loss_normalization="token")
+
+
+def test_a_causal_lm_that_computes_its_own_unshifted_loss_is_not_shifted():
+    # BartForCausalLM takes labels already shifted and compares them position by position.
+    from transformers import BartConfig, BartForCausalLM
+
+    torch.manual_seed(0)
+    model = BartForCausalLM(BartConfig(vocab_size=96, d_model=16, decoder_layers=1, encoder_layers=1,
+                                       decoder_attention_heads=2, encoder_attention_heads=2, decoder_ffn_dim=16,
+                                       encoder_ffn_dim=16))
+    batch = padded_batch()
+    del batch["attention_mask"]
+    assert rule_for(model) == LabelRule(shift=False)
+    out = model(**batch)
+    torch.testing.assert_close(out.loss * rule_for(model).count(batch), token_sum(out.logits, batch["labels"]),
+                               rtol=1e-6, atol=0)
