@@ -1,11 +1,18 @@
-"""What the trainer integrations share: which strategies a foreign training loop can run."""
+"""What the trainer integrations share: which strategies a foreign training loop can run, and how
+its loss is weighted on padded batches (TokenWeights)."""
 
+import collections
+import functools
+import weakref
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from atorch.auto.strategy import Strategy, parse_strategy
 from atorch.errors import AtorchConfigError
+from atorch.utils.log import logger
 
 # A trainer (Hugging Face, Lightning) owns the step: it calls loss.backward(), clips, then
 # optimizer.step(). A method that replaces that step, or computes the loss its own way, cannot
@@ -82,3 +89,153 @@ def data_parallel_sampler_kwargs() -> dict[str, int] | None:
     if parallel_state.current_topology() is None:
         return None
     return {"num_replicas": parallel_state.get_data_parallel_size(), "rank": parallel_state.get_data_parallel_rank()}
+
+
+class TokenWeights:
+    """Loss normalization for a trainer that owns its step (Lightning's AtorchStrategy, Fabric).
+
+    Each backward's loss is weighted by the label tokens it counts, and before the step's
+    gradients are read (clipping, ``on_before_optimizer_step``, the optimizer) they are divided by
+    the global batch's count: the step's gradient is that of the global batch's token mean, over
+    every data rank and accumulation micro-batch, whatever the split (docs/integrations.md, "Loss
+    normalization"). A loss is counted when it is
+
+    - a transformers model's own ``out.loss``, passed on as it is: a forward hook on the model
+      reads the labels it was called with and counts them as its loss does (a causal LM shifted
+      by one, atorch/loss/counting.py);
+    - marked with :func:`atorch.with_count` (a custom loss: its mean and the count it averages over).
+
+    Other losses keep the trainer's per-part mean; on a padded batch (labels -100) a WARNING says
+    so once. One all-reduce of the count a step (and one more at the first step). Backward stays
+    per micro-batch: each part's backward carries ``loss x count / K``, K the previous step's
+    count per part and rank (the same on every rank), so the gradients keep a mean's magnitude;
+    ``finish`` multiplies them by ``W x K / N`` (W data ranks, whose reduction averages; N the
+    global count).
+    """
+
+    def __init__(self, root: torch.nn.Module, group: Any, data_size: int, mode: str, fix: str):
+        from atorch.loss.contract import MODES
+
+        if mode not in MODES:
+            raise AtorchConfigError(f"loss_normalization={mode!r} is not one of {list(MODES)}: 'tokens' weights each "
+                                    "part of a split batch by the label tokens its loss counts (the default), "
+                                    "'per_part_mean' weights each part as one")
+        self.mode, self.group, self.data_size, self.fix = mode, group, max(int(data_size), 1), fix
+        self.expected: float | None = None  # K
+        self.skipped = 0  # steps whose global batch counted nothing (every label -100)
+        self.last_inputs: Any = None  # the keyword arguments of the last model call that gave a loss
+        # (a weak reference to a model call's loss, its count): held weakly, so a loss that is never
+        # passed to backward (an evaluation with gradients on) does not keep its graph alive.
+        self._seen: collections.deque = collections.deque(maxlen=4)
+        self._count: torch.Tensor | None = None  # this step's count on this rank, so far
+        self._parts = self._unweighted = 0
+        self._warned = False  # the first unweighted backward's batch was checked for padding
+        if mode == "tokens":
+            self._hook(root)
+
+    def _hook(self, root: torch.nn.Module) -> None:
+        from atorch.loss.counting import rule_for
+
+        for module in root.modules():
+            rule = rule_for(module)
+            if rule is not None:
+                module.register_forward_hook(functools.partial(self._record, rule), with_kwargs=True)
+
+    def _record(self, rule, module, args, kwargs, output) -> None:
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        if not torch.is_grad_enabled() or not torch.is_tensor(loss):
+            return
+        if not self._warned:
+            self.last_inputs = kwargs
+        count = rule.count(kwargs)
+        if count is not None:
+            self._seen.append((weakref.ref(loss), count))
+
+    def count_of(self, loss: Any) -> torch.Tensor | None:
+        """What ``loss`` counts: its :func:`atorch.with_count` mark, or the labels of the model
+        call that returned it; None for any other loss."""
+        from atorch.loss.contract import count_of
+
+        if self.mode != "tokens" or not torch.is_tensor(loss):
+            return None
+        count = count_of(loss)
+        if count is None:
+            count = next((c for seen, c in self._seen if seen() is loss), None)
+        self._seen.clear()
+        return count
+
+    def weigh(self, loss: torch.Tensor, count: torch.Tensor, multiplier: float = 1.0) -> torch.Tensor:
+        """The tensor to backward for a part whose loss (``loss / multiplier``) counts ``count``."""
+        count = count.detach().to(loss.device)
+        if self.expected is None:  # the first step: the mean count per part over the ranks
+            first = count.double().clone()
+            self._all_reduce(first)
+            self.expected = max(float(first) / self.data_size, 1.0)
+        self._count = count.double() if self._count is None else self._count + count.double()
+        self._parts += 1
+        factor = (count.double() * multiplier / self.expected).to(loss.dtype)
+        # A part that counts nothing adds nothing (its mean is 0/0).
+        return torch.where(count > 0, loss * factor, torch.zeros((), dtype=loss.dtype, device=loss.device))
+
+    def unweighted(self, batch: Any = None) -> None:
+        """A backward whose loss says nothing of its count: the trainer's own per-part mean. The
+        first such backward checks its batch (default: the last model call's inputs) for padding."""
+        from atorch.loss.counting import padded
+
+        self._unweighted += 1
+        if self._warned or self.mode != "tokens":
+            return
+        self._warned = True  # checked once: a check reads the labels back from the device
+        batch, self.last_inputs = (self.last_inputs if batch is None else batch), None
+        if padded(batch):
+            logger.warning(
+                "the batch is padded (labels -100) but the loss passed to backward is neither the model's own out.loss "
+                "nor marked with atorch.with_count, so each part of the split batch (data rank, accumulation "
+                "micro-batch) weighs as one and the strategy changes the math. %s, or pass "
+                "loss_normalization='per_part_mean' to choose this weighting (docs/integrations.md, \"Loss "
+                "normalization\")", self.fix)
+
+    def finish(self, params: Iterable[torch.Tensor]) -> None:
+        """After the step's last backward, before its gradients are read: divide them by the
+        global count. A step whose global batch counts nothing gets no gradients (None), so the
+        optimizer leaves the weights as they are."""
+        parts, unweighted, self._parts, self._unweighted = self._parts, self._unweighted, 0, 0
+        if parts == 0:
+            return
+        total, self._count = self._count, None
+        if unweighted:
+            raise TrainerStrategyError(
+                f"one optimizer step took {parts} loss(es) with a token count and {unweighted} without one: weight "
+                "every backward of a step the same way (the model's own loss or atorch.with_count on each)")
+        self._all_reduce(total)
+        count = float(total)
+        factor = self.data_size * self.expected / count if count > 0 else 0.0
+        with torch.no_grad():
+            for param in params:
+                if param.grad is None:
+                    continue
+                if count > 0:
+                    param.grad.mul_(factor)
+                else:
+                    param.grad = None
+        if count > 0:
+            self.expected = count / (self.data_size * parts)
+        else:
+            self.skipped += 1
+            logger.warning("an optimizer step's global batch has no counted label (every label is -100): its "
+                           "gradients are dropped and the weights stay as they are; %d such step(s) so far",
+                           self.skipped)
+
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        if self.data_size > 1:
+            dist.all_reduce(tensor, group=self.group)
+
+
+def token_weights(root: torch.nn.Module, mode: str, fix: str) -> TokenWeights:
+    """The TokenWeights of a strategy just applied to ``root``, over its data-parallel group."""
+    from atorch import parallel_state
+
+    topology = parallel_state.current_topology()
+    if topology is None:  # one process, or no parallel_mode: no gradient reduction to undo
+        return TokenWeights(root, None, 1, mode, fix)
+    return TokenWeights(root, topology.data_parallel_group, topology.data_parallel_size, mode, fix)

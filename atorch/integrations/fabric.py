@@ -4,13 +4,18 @@ Fabric keeps the user's loop (``fabric.backward``, ``fabric.clip_gradients``, ``
 ``fabric.save``/``fabric.load``); atorch applies the strategy in ``fabric.setup`` and builds the
 optimizer again, same class, hyperparameters and parameter groups, over the parameters as the
 strategy holds them. Checkpoints go through ``atorch.checkpoint``, so a run saved under one
-strategy resumes under another.
+strategy resumes under another. A loss passed to ``fabric.backward`` as the model returned it (or
+marked with ``atorch.with_count``) is weighted by the label tokens it counts, so each optimizer
+step trains on the global batch's token mean (common.TokenWeights).
 
 Example (``torchrun --nproc_per_node=2``)::
 
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=AtorchFabricStrategy(["fsdp", "checkpoint"]))
     fabric.launch()
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for batch in micro_batches:                       # accumulation: no_backward_sync on all but the last
+        fabric.backward(model(**batch).loss)          # as it is: atorch divides by the step's token count
+    fabric.clip_gradients(model, optimizer, max_norm=1.0); optimizer.step(); optimizer.zero_grad()
 """
 
 import inspect
@@ -31,6 +36,7 @@ from atorch.integrations.common import (
     check_strategy,
     data_parallel_sampler_kwargs,
     needs_atorch_norm,
+    token_weights,
 )
 from atorch.integrations.lightning import _plain
 from atorch.loss.contract import user_loss_func
@@ -59,9 +65,23 @@ class AtorchFabricStrategy(DDPStrategy):
     and build an LR scheduler over the optimizer ``fabric.setup`` returned. Mixed precision comes from the
     strategy, so keep Fabric's ``precision`` at ``"32-true"``. Strategies that replace the step
     raise :class:`atorch.integrations.common.TrainerStrategyError`.
+
+    ``loss_normalization``: ``"tokens"`` (default) weights each ``fabric.backward(loss)`` by the
+    label tokens the loss counts when it is a transformers model's own ``out.loss``, passed as it
+    is, or is marked with ``atorch.with_count(loss, count)``; before ``fabric.clip_gradients`` or
+    the optimizer step reads the gradients, they are divided by the step's global count, so the
+    step trains on the global batch's token mean over every rank and accumulated micro-batch. Pass
+    each micro-batch's loss undivided: the count divides, not the accumulation steps. A loss
+    divided or changed before ``fabric.backward`` keeps your own weighting (a WARNING once when the
+    batch is padded). ``"per_part_mean"``: never weight.
     """
 
-    def __init__(self, strategy: Any, save_strategy_to: str | None = None, **kwargs: Any):
+    def __init__(self, strategy: Any, save_strategy_to: str | None = None, loss_normalization: str = "tokens",
+                 **kwargs: Any):
+        from atorch.loss.contract import MODES
+
+        if loss_normalization not in MODES:
+            raise TrainerStrategyError(f"loss_normalization={loss_normalization!r} is not one of {list(MODES)}")
         super().__init__(**kwargs)
         if strategy is None:
             raise TrainerStrategyError(
@@ -72,6 +92,8 @@ class AtorchFabricStrategy(DDPStrategy):
         self._backward_sync_control = _NoSyncUnderDDP()
         self.strategy = None
         self._result = None
+        self._loss_normalization = loss_normalization
+        self._weights = None  # common.TokenWeights, once the strategy is applied
 
     def _apply(self, module: torch.nn.Module, optim_func=None, optim_param_func=None):
         if self._result is not None:
@@ -89,7 +111,28 @@ class AtorchFabricStrategy(DDPStrategy):
             save_strategy_to_file=self._save_strategy_to)
         check_applied(result.args, user_loss_func(result.loss_func) is not _loss_of, "AtorchFabricStrategy")
         self._result, self.strategy = result, applied
+        self._weights = token_weights(
+            module, self._loss_normalization,
+            "Pass the model's own out.loss to fabric.backward as it is (not divided by the accumulation steps: "
+            "atorch divides each step by its token count), or mark a custom loss with atorch.with_count(loss, count)")
         return result
+
+    # Loss normalization (common.TokenWeights).
+
+    def backward(self, tensor: torch.Tensor, module, *args: Any, **kwargs: Any) -> None:
+        weights = self._weights
+        if weights is not None and weights.mode == "tokens":
+            count = weights.count_of(tensor)
+            if count is not None:
+                tensor = weights.weigh(tensor, count)
+            else:
+                weights.unweighted()
+        return super().backward(tensor, module, *args, **kwargs)
+
+    def _finish_step(self) -> None:
+        """The step's gradients divided by its global token count (once, before they are read)."""
+        if self._weights is not None:
+            self._weights.finish(self._result.model.parameters())
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return self._apply(module).model
@@ -123,6 +166,7 @@ class AtorchFabricStrategy(DDPStrategy):
         return result.model, [unwrap_optimizer(result.optim)], None
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
+        self._finish_step()
         if self._result is not None and optimizer is unwrap_optimizer(self._result.optim):
             optimizer = self._result.optim
         return super().optimizer_step(optimizer, **kwargs)
@@ -133,9 +177,14 @@ class AtorchFabricStrategy(DDPStrategy):
         return data_parallel_sampler_kwargs() or super().distributed_sampler_kwargs
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
+        self._finish_step()
         if self.strategy is None or not needs_atorch_norm(self.strategy):
             return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
         return clip_grad_norm(self._result.model, float(max_norm))
+
+    def clip_gradients_value(self, module, optimizer, clip_val) -> None:
+        self._finish_step()
+        return super().clip_gradients_value(module, optimizer, clip_val)
 
     # Checkpoints: atorch.checkpoint on every rank, whatever holds the parameters.
 

@@ -5,7 +5,9 @@ accumulation and clipping, logging); atorch applies the strategy to the Lightnin
 (``auto_accelerate``) before ``configure_optimizers`` builds the optimizer, so the optimizer holds
 the parameters as the strategy holds them (FSDP2 shards, tensor-parallel pieces). The data are
 sharded over the data-parallel ranks, and checkpoints go through ``atorch.checkpoint``, so a run
-saved under one strategy resumes under another.
+saved under one strategy resumes under another. On padded batches the loss ``training_step``
+returns is weighted by the label tokens it counts (common.TokenWeights), so each optimizer step
+trains on the global batch's token mean.
 
 Example (``torchrun --nproc_per_node=2 examples/lightning_train.py``)::
 
@@ -15,6 +17,7 @@ Example (``torchrun --nproc_per_node=2 examples/lightning_train.py``)::
 
 import inspect
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -31,6 +34,7 @@ from atorch.integrations.common import (
     check_strategy,
     data_parallel_sampler_kwargs,
     needs_atorch_norm,
+    token_weights,
 )
 from atorch.loss.contract import user_loss_func
 
@@ -112,11 +116,22 @@ def search_from_lightning(module, world_size: int, options: dict):
 
 class _AtorchPrecision(Precision):
     """fp32 on Lightning's side (mixed precision is the strategy's method); clipping by the true
-    global norm where torch's clip_grad_norm_ would measure sharded pieces wrong."""
+    global norm where torch's clip_grad_norm_ would measure sharded pieces wrong; the step's
+    gradients divided by its token count before anything reads them."""
 
     def __init__(self):
         super().__init__()
         self.atorch_strategy: "AtorchStrategy | None" = None
+
+    def _after_closure(self, model, optimizer) -> None:
+        if self.atorch_strategy is not None:
+            self.atorch_strategy.finish_step()
+        super()._after_closure(model, optimizer)
+
+    def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None) -> None:
+        if self.atorch_strategy is not None:  # manual optimization clips before optimizer.step()
+            self.atorch_strategy.finish_step()
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
         owner = self.atorch_strategy
@@ -139,12 +154,28 @@ class AtorchStrategy(DDPStrategy):
     ``"32-true"``. ``configure_optimizers`` must return one optimizer (with schedulers if any).
     Strategies that replace the step (pipelines, DeepSpeed engines, fp16 loss scaling) raise
     :class:`atorch.integrations.common.TrainerStrategyError`.
+
+    ``loss_normalization``: ``"tokens"`` (default) weights the loss ``training_step`` returns by
+    the label tokens it counts when it is a transformers model's own ``out.loss`` or is marked
+    with ``atorch.with_count(loss, count)``, so each optimizer step's gradient is that of the
+    global batch's token mean over every rank and accumulated batch; ``"per_part_mean"`` keeps
+    Lightning's mean of the ranks' and batches' means. What ``self.log`` logs is unchanged.
     """
 
     strategy_name = "atorch"
 
     def __init__(self, strategy: Any = None, save_strategy_to: str | None = None, *, memory_budget: Any = None,
-                 time_limit: float | None = None, search_args: dict | None = None, **kwargs: Any):
+                 time_limit: float | None = None, search_args: dict | None = None, loss_normalization: str = "tokens",
+                 **kwargs: Any):
+        from atorch.loss.contract import MODES
+
+        if loss_normalization not in MODES:
+            raise TrainerStrategyError(f"loss_normalization={loss_normalization!r} is not one of {list(MODES)}")
+        if not hasattr(Precision, "_after_closure"):  # where the step's gradients are divided by its count
+            from atorch.errors import NotSupportedError
+
+            raise NotSupportedError("this Lightning has no Precision._after_closure, which AtorchStrategy replaces: "
+                                    "pip install 'atorch[lightning]'")
         precision = _AtorchPrecision()
         super().__init__(precision_plugin=precision, **kwargs)
         precision.atorch_strategy = self
@@ -155,6 +186,9 @@ class AtorchStrategy(DDPStrategy):
         self.strategy = None
         self._result = None
         self._lr_scheduler_configs: list = []
+        self._loss_normalization = loss_normalization
+        self._weights = None  # common.TokenWeights, once the strategy is applied
+        self._pending: tuple | None = None  # (count or None, batch) of training_step's loss
 
     def configure_ddp(self) -> None:
         """Apply the strategy instead of wrapping the module in Lightning's DDP."""
@@ -185,6 +219,37 @@ class AtorchStrategy(DDPStrategy):
         check_applied(result.args, user_loss_func(result.loss_func) is not _loss_of, "AtorchStrategy")
         self.model, self._result, self.strategy = result.model, result, applied
         self._lr_scheduler_configs = schedulers.get("configs", [])
+        self._weights = token_weights(
+            module, self._loss_normalization,
+            "Return the model's own out.loss from training_step, or atorch.with_count(loss, count) for a custom loss")
+
+    # Loss normalization (common.TokenWeights): training_step's loss weighted by its count.
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().training_step(*args, **kwargs)
+        if self._weights is not None and self.lightning_module.automatic_optimization:
+            loss = out.get("loss") if isinstance(out, Mapping) else out
+            batch = args[0] if args else kwargs.get("batch")
+            self._pending = (self._weights.count_of(loss), batch)
+        return out
+
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        weights, pending, self._pending = self._weights, self._pending, None
+        if weights is not None and weights.mode == "tokens":
+            count = weights.count_of(closure_loss)  # manual optimization: the loss itself
+            if count is not None:
+                closure_loss = weights.weigh(closure_loss, count)
+            elif pending is not None and pending[0] is not None:
+                # Lightning divided training_step's loss by the accumulated batches; the count divides instead.
+                closure_loss = weights.weigh(closure_loss, pending[0], self.lightning_module.trainer.accumulate_grad_batches)
+            else:
+                weights.unweighted(pending[1] if pending is not None else None)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def finish_step(self) -> None:
+        """The step's gradients divided by its global token count (once, before they are read)."""
+        if self._weights is not None:
+            self._weights.finish(self.model.parameters())
 
     def setup_optimizers(self, trainer) -> None:
         # Built by configure_ddp, over the parameters as the strategy holds them.

@@ -3,7 +3,9 @@
 The Trainer keeps its loop, evaluation, logging, LR schedule, gradient accumulation and clipping;
 atorch applies the strategy to the model and builds the optimizer over it (``auto_accelerate``),
 shards the data over the data-parallel ranks, clips by the true global norm and checkpoints
-through ``atorch.checkpoint``, so a run saved under one strategy resumes under another.
+through ``atorch.checkpoint``, so a run saved under one strategy resumes under another. The model's
+own loss is weighted by the label tokens it counts, so each optimizer step trains on the global
+batch's token mean over every rank and micro-batch (docs/integrations.md, "Loss normalization").
 
 Example (``torchrun --nproc_per_node=2 examples/hf_trainer.py``)::
 
@@ -33,6 +35,8 @@ from atorch.integrations.common import (
     needs_atorch_norm,
 )
 from atorch.loss.contract import user_loss_func
+from atorch.loss.counting import padded, rule_for
+from atorch.utils.log import logger
 from atorch.utils.optim import unwrap_optimizer
 
 STRATEGY_FILE = "atorch_strategy.json"
@@ -91,6 +95,15 @@ class AtorchTrainer(Trainer):
     the sharded model. Mixed precision comes from the strategy (``("amp_native", "bf16")``), not
     from ``TrainingArguments(bf16=True)``. Strategies that replace the training step (pipelines,
     DeepSpeed engines, fp16 loss scaling) raise :class:`TrainerStrategyError`.
+
+    Loss normalization: on batches whose ``labels`` hold -100, each optimizer step's gradient is
+    that of the global batch's mean over its label tokens (every data rank, every accumulation
+    micro-batch). The Trainer counts the step's tokens (``num_items_in_batch``, summed over the ranks
+    with ``average_tokens_across_devices=True``, its default); AtorchTrainer weights the model's
+    own loss on each micro-batch by the tokens it counts over that count, whether or not the
+    model's head reads ``num_items_in_batch``. ``average_tokens_across_devices=False`` asks for
+    each rank's own token mean instead (ranks weigh the same); a ``compute_loss_func`` or label
+    smoothing keeps the Trainer's own normalization.
     """
 
     def __init__(self, model=None, args=None, *, strategy: Any = None, memory_budget: Any = None,
@@ -106,6 +119,7 @@ class AtorchTrainer(Trainer):
                 "optimizer_cls_and_kwargs=(cls, kwargs), not optimizers=")
         super().__init__(model=model, args=args, **kwargs)
         self._refuse_trainer_options()
+        self._weigh_tokens_of_model()
         self.strategy = None
         self._apply(strategy, memory_budget, time_limit, dict(search_args or {}))
 
@@ -121,6 +135,78 @@ class AtorchTrainer(Trainer):
                 "'fsdp' or 'zero2' in the strategy")
         if args.auto_find_batch_size:
             raise TrainerStrategyError("AtorchTrainer applies the strategy once: auto_find_batch_size is not supported")
+
+    def _weigh_tokens_of_model(self) -> None:
+        """Whether compute_loss weights the model's own loss by its label tokens (see the class
+        docstring). The Trainer then counts each step's tokens with the same rule, and leaves the
+        division by the accumulation steps to compute_loss, for every model atorch can read: also
+        heads that take ``**kwargs`` but drop ``num_items_in_batch`` (BERT's masked LM, T5), which
+        the Trainer alone would train on a loss inflated by the accumulation steps and the ranks."""
+        self._label_rule = rule_for(self.model)
+        self._weighs_tokens = (self._label_rule is not None and self.compute_loss_func is None
+                               and self.label_smoother is None and self.args.n_gpu <= 1
+                               and hasattr(self, "_loss_shifts_labels"))
+        self._warned_unweighted = False
+        self._step_items: torch.Tensor | None = None  # the running step's global count (compute_loss)
+        self._empty_steps = 0
+        if self._weighs_tokens:
+            self.model_accepts_loss_kwargs = True  # the Trainer counts the step's tokens, compute_loss divides
+            self._loss_shifts_labels = self._label_rule.shift  # counted as compute_loss counts each micro-batch
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        """The model's own loss on this micro-batch (a mean over its label tokens), times its
+        tokens over the step's (``num_items_in_batch``), times the data-parallel ranks (their
+        gradient reduction averages): the step's gradient is the global batch's token mean."""
+        count = self._label_rule.count(inputs) if self._weighs_tokens and num_items_in_batch is not None else None
+        if count is None:
+            self._warn_unweighted(inputs)
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        # Without num_items_in_batch: the model's own mean over this micro-batch, not scaled by the Trainer.
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True)
+        if self.args.average_tokens_across_devices:  # num_items_in_batch counts over every data rank
+            count = count * (self.accelerator.num_processes // self.get_tp_size())
+        else:
+            self._warn_unweighted(inputs)
+        total = torch.as_tensor(num_items_in_batch, device=loss.device, dtype=torch.float64)
+        weight = count.to(loss.device, torch.float64) / total.clamp(min=1)
+        # A micro-batch with no label token adds nothing (its mean is 0/0).
+        loss = torch.where(count > 0, loss * weight.to(loss.dtype), torch.zeros((), dtype=loss.dtype,
+                                                                                device=loss.device))
+        if model.training:
+            self._step_items = total
+        return (loss, outputs) if return_outputs else loss
+
+    def _drop_empty_step(self) -> None:
+        """A step whose global batch counts no label token (every label -100): its gradients are
+        dropped, so the optimizer leaves the weights as they are (a zero gradient would still move
+        them through AdamW's momentum and weight decay); the LR schedule still advances."""
+        total, self._step_items = self._step_items, None
+        if total is None or not self.args.average_tokens_across_devices or float(total) > 0:
+            return
+        for param in self._result.model.parameters():
+            param.grad = None
+        self._empty_steps += 1
+        logger.warning("AtorchTrainer skipped an optimizer step: its global batch has no counted label (every label "
+                       "is -100); %d such step(s) so far", self._empty_steps)
+
+    def _warn_unweighted(self, inputs) -> None:
+        if self._warned_unweighted or not self.model.training or "labels" not in inputs:
+            return
+        self._warned_unweighted = True  # checked once: a check reads the labels back from the device
+        if not padded(inputs):
+            return
+        if self._weighs_tokens:
+            why = ("average_tokens_across_devices=False: each data rank's share of the global batch weighs the same, "
+                   "whatever its label tokens; leave it at True (the default) for the global batch's token mean")
+        elif self._label_rule is None:
+            why = ("AtorchTrainer cannot tell what this model's loss counts (not a transformers model), so it keeps "
+                   "the Trainer's own normalization; pass compute_loss_func(outputs, labels, num_items_in_batch) "
+                   "returning sum / num_items_in_batch for the global batch's token mean")
+        else:
+            return  # compute_loss_func or label smoothing: the Trainer normalizes by num_items_in_batch
+        logger.warning("AtorchTrainer: the batch is padded (labels -100) and %s (docs/integrations.md, "
+                       "\"Loss normalization\")", why)
 
     def _apply(self, strategy: Any, memory_budget: Any, time_limit: float | None, search_args: dict) -> None:
         args = self.args
@@ -150,6 +236,7 @@ class AtorchTrainer(Trainer):
         self.model_wrapped = result.model if result.model is not inner else _Held(inner)
         self.optimizer = result.optim
         self._shard_data_over_data_parallel()
+        self._keep_optimizer_placement()
 
     def _search_options(self, memory_budget: Any, time_limit: float | None, search_args: dict) -> dict:
         if self.train_dataset is None:
@@ -180,6 +267,18 @@ class AtorchTrainer(Trainer):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         return [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
                 {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+
+    def _keep_optimizer_placement(self) -> None:
+        """atorch built the optimizer over the parameters where the strategy placed them, so
+        Accelerate need not move its state: that round trip (state_dict, load_state_dict) fails on
+        a ZeroRedundancyOptimizer (zero1), whose state_dict needs a consolidation first."""
+        accelerator = self.accelerator
+        prepare_optimizer = accelerator.prepare_optimizer
+
+        def prepare_in_place(optimizer, device_placement=None):
+            return prepare_optimizer(optimizer, device_placement=False)
+
+        accelerator.prepare_optimizer = prepare_in_place
 
     def _shard_data_over_data_parallel(self) -> None:
         """Accelerate shards batches over every process; under tensor parallelism the ranks of one
@@ -233,9 +332,13 @@ class AtorchTrainer(Trainer):
         return clip_grad_norm(self._result.model, self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
+        # Called after the step's last backward and clipping, before the optimizer step.
         if grad_norm is not None or not needs_atorch_norm(self.strategy):
-            return super()._get_grad_norm(model, grad_norm=grad_norm)
-        return global_grad_norm(self._result.model)
+            grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        else:
+            grad_norm = global_grad_norm(self._result.model)
+        self._drop_empty_step()
+        return grad_norm
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The serial model's weights (``from_pretrained`` loads them), gathered from any strategy;

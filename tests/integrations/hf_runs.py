@@ -31,6 +31,11 @@ def train_trainer(output_dir, strategy=None, plain: bool = False, steps: int = 1
         bf16=bf16, report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_drop_last=True,
     )
     model = tiny_gpt2()
+    # transformers 5.24's Trainer reads the model's loss_type to tell whether its loss shifts the
+    # labels; GPT2LMHeadModel's is None (its loss falls back to ForCausalLM at call time), so the
+    # plain Trainer would count each row's first label too and train on 15/16 of the token mean.
+    # Named, the reference counts what the loss counts, as AtorchTrainer does for any causal LM.
+    model.loss_type = "ForCausalLM"
     # The dtype the first block's MLP computes in while training (bf16 under amp or FSDP2's cast).
     compute_dtypes: set[str] = set()
     model.transformer.h[0].mlp.c_fc.register_forward_hook(
