@@ -69,6 +69,14 @@ SPLITS = {
         [*PIPE2, ("pipeline_parallel", {"num_microbatches": 2, "schedule": "interleaved", "virtual_pipeline_size": 2,
                                         "pipeline_cuts": ["model.embed_tokens", "model.layers.0", "model.layers.1"]})],
         {}),
+    "pipeline zero_bubble (4 stages)": (
+        [*PIPE2, ("pipeline_parallel", {"num_microbatches": 4, "schedule": "zero_bubble", "virtual_pipeline_size": 2,
+                                        "pipeline_cuts": ["model.embed_tokens", "model.layers.0", "model.layers.1"]})],
+        {}),
+    "pipeline zbv (4 stages)": (
+        [*PIPE2, ("pipeline_parallel", {"num_microbatches": 4, "schedule": "zbv", "virtual_pipeline_size": 2,
+                                        "pipeline_cuts": ["model.embed_tokens", "model.layers.0", "model.layers.1"]})],
+        {}),
     "mixed_parallel gpipe": ([*PIPE2, ("mixed_parallel", {"num_microbatches": 2, "schedule": "gpipe"})], {}),
     "ddp, a TokenSum loss": (DATA2, {"loss_func": jobs.token_sum_loss}),
     "pipeline, a TokenSum loss": ([*PIPE2, ("pipeline_parallel", {"num_microbatches": 2})],
