@@ -132,12 +132,16 @@ def check_arguments(model: Any, optim_func: Any, dataset: Any, loss_func: Any, p
               "parameters or parameter groups, or None for model.parameters()")
     _callable("lr_scheduler_cls", lr_scheduler_cls, "pass a scheduler class called as lr_scheduler_cls(optim, "
               "**lr_scheduler_args), e.g. torch.optim.lr_scheduler.StepLR, or None")
-    if distributed_sampler_cls is not None and not isinstance(distributed_sampler_cls, type):
-        _fail("distributed_sampler_cls", distributed_sampler_cls, "pass a sampler class (e.g. "
+    if distributed_sampler_cls is not None and not (isinstance(distributed_sampler_cls, type)
+                                                    and hasattr(distributed_sampler_cls, "__iter__")):
+        _fail("distributed_sampler_cls", distributed_sampler_cls, "pass a sampler class, called as cls(dataset, "
+              "num_replicas=, rank=, shuffle=, seed=, drop_last=) (e.g. "
               "torch.utils.data.distributed.DistributedSampler), or None for atorch's")
     _mapping("optim_args", optim_args, "{'lr': 1e-3}")
     _mapping("lr_scheduler_args", lr_scheduler_args, "{'step_size': 10}")
     _mapping("dataloader_args", dataloader_args, "{'batch_size': 32, 'shuffle': True}")
+    _optimizer_accepts(optim_func, optim_args)
+    _dataloader_keys(dataloader_args)
     if dataset is not None and (isinstance(dataset, (str, bytes)) or not isinstance(dataset, torch.utils.data.Dataset) and not (
             hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")) and not hasattr(dataset, "__iter__")):
         _fail("dataset", dataset, "pass a torch.utils.data.Dataset (or anything with __getitem__ and __len__, or an "
@@ -159,11 +163,48 @@ def check_arguments(model: Any, optim_func: Any, dataset: Any, loss_func: Any, p
         _number("sampler_seed", kwargs["sampler_seed"], integer=True, minimum=0, inclusive=True,
                 fix="the shuffling seed, e.g. 0 (the default)")
     _memory_budget(kwargs.get("memory_budget"))
+    if "loss_normalization" in kwargs and kwargs["loss_normalization"] not in ("tokens", "per_part_mean"):
+        _fail("loss_normalization", kwargs["loss_normalization"], "'tokens' weighs each part of a split batch by what "
+              "its loss counts (the default), 'per_part_mean' each part as one (docs/loss_normalization.md)")
     for name, integer, minimum, inclusive, fix in _LIMITS:
         if name in kwargs:
             _number(name, kwargs[name], integer=integer, minimum=minimum, inclusive=inclusive, fix=fix,
                     optional=name == "time_limit")
     check_job(model, dataset, dataloader_args, optim_func)
+
+
+def _optimizer_accepts(optim_func: Any, optim_args: Any) -> None:
+    """A torch optimizer class built once on a one-element parameter with ``optim_args``: a wrong
+    key or value (``{"lr": "fast"}``) is named here, not raised from deep inside the strategy."""
+    if not optim_args or not (isinstance(optim_func, type) and issubclass(optim_func, torch.optim.Optimizer)):
+        return
+    # options that depend on the device the parameters end up on are left to the real build
+    portable = {k: v for k, v in optim_args.items() if k not in ("fused", "capturable", "foreach")}
+    try:
+        optim_func([torch.zeros(1, requires_grad=True)], **portable)
+    except (TypeError, ValueError) as error:
+        _fail("optim_args", dict(optim_args), f"{optim_func.__name__} does not take them: {error}; fix the key or "
+              "the value (a number for lr, betas a pair of numbers...)")
+    except Exception:  # noqa: BLE001 - anything else is the real build's to report, on its device
+        return
+
+
+# What atorch's dataloader takes besides DataLoader's own arguments (atorch/data/loader.py).
+_ATORCH_LOADER_KEYS = {"batch_size", "shuffle", "drop_last"}
+
+
+def _dataloader_keys(dataloader_args: Any) -> None:
+    """Every key of ``dataloader_args`` is one DataLoader (or atorch's loader) takes."""
+    import inspect
+
+    if not dataloader_args:
+        return
+    known = set(inspect.signature(torch.utils.data.DataLoader.__init__).parameters) - {"self", "dataset"}
+    known |= _ATORCH_LOADER_KEYS
+    unknown = sorted(set(dataloader_args) - known)
+    if unknown:
+        _fail("dataloader_args", dict(dataloader_args), f"{unknown} {'is' if len(unknown) == 1 else 'are'} not an "
+              f"argument of torch.utils.data.DataLoader; known: {sorted(known)}")
 
 
 # Boolean keyword arguments of auto_accelerate.

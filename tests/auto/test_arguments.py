@@ -24,6 +24,14 @@ CASES = {
     "optim_args=0.1": ({"optim_args": 0.1}, r"optim_args=0.1 \(float\): pass a dict of keyword arguments"),
     "dataloader_args=8": ({"dataloader_args": 8}, r"dataloader_args=8 \(int\): pass a dict"),
     "distributed_sampler_cls='x'": ({"distributed_sampler_cls": "x"}, r"distributed_sampler_cls='x' \(str\): pass a sampler class"),
+    "distributed_sampler_cls=int": ({"distributed_sampler_cls": int}, r"distributed_sampler_cls=<class 'int'> "
+                                    r"\(type\): pass a sampler class"),
+    "optim_args={'lr': 'fast'}": ({"optim_args": {"lr": "fast"}}, r"optim_args=\{'lr': 'fast'\} \(dict\): SGD does not "
+                                  r"take them"),
+    "optim_args with a typo": ({"optim_args": {"lrr": 0.1}}, r"optim_args=\{'lrr': 0.1\} \(dict\): SGD does not take"),
+    "dataloader_args with a typo": ({"dataloader_args": {"batch_size": 8, "shufle": True}},
+                                    r"\['shufle'\] is not an argument of torch.utils.data.DataLoader; known: "),
+    "loss_normalization='token'": ({"loss_normalization": "token"}, r"loss_normalization='token' \(str\): 'tokens' weighs"),
     "excluded='fsdp' list of ints": ({"excluded": [1]}, r"excluded=\[1\] \(list\): pass a list of method names"),
     "included=5": ({"included": 5}, r"included=5 \(int\)"),
     "finetune_strategy='yes'": ({"finetune_strategy": "yes"}, r"finetune_strategy='yes' \(str\): pass True or False"),
