@@ -68,13 +68,18 @@ def rng_state(model: torch.nn.Module | None = None) -> dict:
 
 
 def set_rng_state(state: dict, model: torch.nn.Module | None = None) -> None:
-    """Restore what :func:`rng_state` returned (the tracker into the one ``model`` draws from)."""
+    """Restore what :func:`rng_state` returned (the tracker into the one ``model`` draws from).
+
+    The tracker's streams are restored where the checkpoint has them and kept where it has none:
+    a job saved under a strategy without tensor-parallel streams (ddp) loads into one that seeded
+    them when it was applied (tensor_parallel), and its forward finds them."""
     from atorch.parallel_layers.random import tracker_of
 
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
-    tracker_of(model).states = dict(state["tracker"])
+    tracker = tracker_of(model)
+    tracker.states = {**tracker.states, **state["tracker"]}
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
