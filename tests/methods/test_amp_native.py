@@ -145,3 +145,14 @@ def test_step_with_a_closure_runs_it_and_steps_as_without(dtype):
     before = _accelerate(dtype).model.head.weight
     assert not torch.equal(before, results[0].model.head.weight)
     assert torch.equal(results[0].model.head.weight, results[1].model.head.weight)
+
+
+@pytest.mark.parametrize("scale", [0, -1, 0.0])
+def test_a_loss_scale_that_is_not_positive_is_refused(scale):
+    # GradScaler divides the gradients by its scale: 0 or below would make every step non-finite
+    # or flip the gradients' sign (issue 56: the bound could go and no test noticed).
+    from atorch.auto.strategy import parse_strategy
+    from atorch.errors import MethodConfigError
+
+    with pytest.raises(MethodConfigError, match="init_scale: Input should be greater than 0"):
+        parse_strategy([("amp_native", {"init_scale": scale})])

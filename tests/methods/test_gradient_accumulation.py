@@ -185,3 +185,24 @@ def test_a_dry_run_reduces_the_accumulated_gradients(tmp_path):
     assert run_distributed(_dry_run_with_a_failing_rank, 2, path, timeout_s=120) == [False, False]
     (candidate,) = SearchReport.load(path).candidates
     assert candidate.status == "failed" and candidate.reason == "rank 1: RuntimeError: forward broke on rank 1"
+
+
+def test_the_cost_model_keeps_one_micro_batchs_activations_alive():
+    # What the method is for: each micro-batch's activations, not the whole batch's. The search
+    # reads it from the cost term; only a slow test saw it before (issue 56).
+    import torch
+
+    from atorch.auto.plan import resolve_strategy
+    from atorch.auto.search.cost import build_cost
+    from atorch.auto.strategy import Strategy
+    from tests.helpers.hf import SEQ, tiny_llama
+
+    with torch.device("meta"):
+        model = tiny_llama()
+    costs = {}
+    for steps in (1, 2, 4):
+        methods = ["parallel_mode"] + ([("gradient_accumulation", {"steps": steps})] if steps > 1 else [])
+        cost = build_cost(model, resolve_strategy(model, Strategy(methods)), {"data": 2}, 2.0, 4096, 1e9, 4 * SEQ)
+        costs[steps] = cost
+    assert [costs[s].activations for s in (1, 2, 4)] == [4096, 2048, 1024]
+    assert [costs[s].memory().activations for s in (1, 2, 4)] == [4096, 2048, 1024]

@@ -203,3 +203,21 @@ def test_every_rank_must_hold_the_copies_together_or_none_times_them_side_by_sid
     assert first == second
     assert not any(together for together, _ in first)  # one by one on both ranks, no hang
     assert any(readings for _, readings in first)
+
+
+def test_the_turns_alternate_their_order_every_round(monkeypatch):
+    # A fixed order would favour a position (the first after a pause, the last before one): each
+    # round runs the candidates in order, the next in reverse (issue 56; a switch-off passed before).
+    from types import SimpleNamespace
+
+    order: list[int] = []
+    monkeypatch.setattr(sidebyside, "draw", lambda ctx, batches: None)
+    monkeypatch.setattr(sidebyside, "train_step", lambda ctx, batch: order.append(ctx.index))
+    monkeypatch.setattr(sidebyside, "still_near", lambda seconds, active: active)  # nobody drops out
+    built = [SimpleNamespace(index=i, dataloader=[0]) for i in range(3)]
+    out = sidebyside._timed(built, warmup_steps=0, timeout_s=1e9, start=0.0)
+    assert out["reason"] is None
+    turns = [order[i] for i in range(0, len(order), sidebyside.TURN_STEPS)]
+    rounds = [turns[i:i + 3] for i in range(0, len(turns), 3)]
+    assert len(rounds) == sidebyside.MAX_TURNS
+    assert all(r == ([0, 1, 2] if k % 2 == 0 else [2, 1, 0]) for k, r in enumerate(rounds)), rounds
