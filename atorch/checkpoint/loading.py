@@ -70,6 +70,46 @@ def _check_keys(directory: Path, wanted: dict, stored: dict) -> None:
         raise CheckpointError(f"checkpoint {directory} does not fit this model: {wrong[:5]}")
 
 
+def _read_tied_state_once(content: dict, stored: dict, aliases: dict[str, list[str]]) -> tuple[dict, set]:
+    """Optimizer state this job wants under a tied weight's name the checkpoint saved under
+    another (saved where the tie is one tensor, loaded into a pipeline that keeps a copy per
+    stage): read under the saved name, copied to this one after. Returns ``{wanted: read}`` and
+    the keys read only for such a copy (not this job's own)."""
+    optim = content.get("optim")
+    if not optim or not aliases:
+        return {}, set()
+    copies, added = {}, set()
+    for key in [k for k in optim if f"optim.{k}" not in stored]:
+        kind, _, rest = key.partition(".")  # "state" or "param_groups", then "<name>.<field>"
+        name = next((n for n in aliases if rest.startswith(n + ".")), None)
+        if name is None:
+            continue
+        field = rest[len(name) + 1:]
+        source = next((f"{kind}.{alias}.{field}" for alias in aliases[name]
+                       if f"optim.{kind}.{alias}.{field}" in stored), None)
+        if source is not None:
+            buffer = optim.pop(key)
+            if source not in optim:
+                optim[source] = buffer
+                added.add(source)
+            copies[key] = source
+    return copies, added
+
+
+def _copying(finish, copies: dict[str, str], added: set):
+    """``finish`` after each copy of :func:`_read_tied_state_once` is made (and the keys read only
+    for them dropped)."""
+    def finish_with_copies(loaded: dict) -> None:
+        optim = loaded["optim"]
+        for key, source in copies.items():
+            optim[key] = optim[source].clone() if isinstance(optim[source], torch.Tensor) else copy.deepcopy(optim[source])
+        for source in added:
+            del optim[source]
+        finish(loaded)
+
+    return finish_with_copies
+
+
 def plan(directory: Path, manifest: dict, model: torch.nn.Module, optim, lr_scheduler, dataloader) -> Plan:
     """Everything that can be checked before reading a tensor; the buffers to read into."""
     metadata = io.read_metadata(directory, manifest)
@@ -87,6 +127,8 @@ def plan(directory: Path, manifest: dict, model: torch.nn.Module, optim, lr_sche
     held = {k: v for k, v in content.get("optim", {}).items() if stateless and k.startswith("state.")}
     for key in held:
         del content["optim"][key]
+    copies, added = _read_tied_state_once(content, stored, state.tied_aliases(model))
+    finish = _copying(finish, copies, added) if copies else finish
     _check_keys(directory, content, stored)
     scaler = state.split_optimizer(optim)[2] if optim is not None else None
     objects = [name for name, target in wanted.items() if target is not None]

@@ -102,6 +102,20 @@ def _model_state(model: torch.nn.Module) -> tuple[torch.nn.Module, bool, dict]:
     return module, partial, content
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
+    """For each parameter name, the other names of the same weight: a tied embedding and head
+    (``lm_head.weight`` and ``transformer.wte.weight``). A strategy that keeps one tensor saves the
+    optimizer state under one of them; a pipeline keeps a copy on each stage, under each name."""
+    groups = [[name for _, name in users] for users in getattr(model, "ties", ())]
+    if not groups:
+        module, _ = holder(model)
+        shared: dict[int, list[str]] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            shared.setdefault(id(param), []).append(_canonical(name))
+        groups = [names for names in shared.values() if len(names) > 1]
+    return {name: [other for other in names if other != name] for names in groups for name in names}
+
+
 def _canonical(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
 
