@@ -53,15 +53,20 @@ def assert_the_empty_step_is_skipped(run: dict, reference: dict) -> None:
     assert len(run["warnings"]) == 1 and "no counted label" in run["warnings"][0], run["warnings"]
 
 
-# The Hugging Face Trainer: AtorchTrainer against the serial run, and what the plain Trainer does.
-
-HF = {
+# The splits both trainers run against the serial run.
+SPLITS = {
     "ddp": dict(strategy=["parallel_mode"]),
     "ddp x accumulation 2": dict(strategy=["parallel_mode"], accumulation=2),
     "fsdp x accumulation 2": dict(strategy=["fsdp"], accumulation=2),
     "zero1 x accumulation 2": dict(strategy=["zero1"], accumulation=2),
     "zero2 x accumulation 2": dict(strategy=["zero2"], accumulation=2),
     "tensor_parallel x accumulation 2": dict(strategy=TP2, accumulation=2, data_size=1),
+}
+
+# The Hugging Face Trainer: AtorchTrainer against the serial run, and what the plain Trainer does.
+
+HF = {
+    **SPLITS,
     "bert ddp x accumulation 2": dict(strategy=["parallel_mode"], accumulation=2, family="bert"),
     "gpt2 ddp x accumulation 2": dict(strategy=["parallel_mode"], accumulation=2, family="gpt2"),
     # The plain Trainer (the controls and what it does itself).
@@ -118,12 +123,7 @@ def test_atorch_trainer_skips_a_step_without_labels(hf_runs):
 # Lightning: AtorchStrategy weights the loss training_step returns.
 
 LIGHTNING = {
-    "ddp": dict(strategy=["parallel_mode"]),
-    "ddp x accumulation 2": dict(strategy=["parallel_mode"], accumulation=2),
-    "fsdp x accumulation 2": dict(strategy=["fsdp"], accumulation=2),
-    "zero1 x accumulation 2": dict(strategy=["zero1"], accumulation=2),
-    "zero2 x accumulation 2": dict(strategy=["zero2"], accumulation=2),
-    "tensor_parallel x accumulation 2": dict(strategy=TP2, accumulation=2, data_size=1),
+    **SPLITS,
     "with_count x accumulation 2": dict(strategy=["parallel_mode"], accumulation=2, with_count=True),
     "lightning ddp": dict(accumulation=2),
     "per_part_mean": dict(strategy=["parallel_mode"], accumulation=2, normalization="per_part_mean"),
