@@ -474,6 +474,11 @@ def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, mod
         # the checkpoint (193 of 267 operators on a small Llama): the forward's operators are the
         # plain forward's, and the tensors it saves that this one did not went through the hooks.
         ops, hooked = plain[1], max(plain[3] - packed, 0)
+        # Checkpointing never changes the forward's work (its recompute is the cost term's): on
+        # meta tensors the counter saw a selective checkpoint's matmuls twice (a 7B step's 124.8
+        # TFLOP where the plain forward does 62.9), so the forward's FLOPs and traffic are the
+        # plain forward's too.
+        flops, attention, traffic = plain[0], plain[5], plain[6]
     if profile:
         saved = reference
     if counts is not None:
