@@ -4,7 +4,6 @@ default group instead of the timed one passed the suite while the other rank wai
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
