@@ -341,3 +341,23 @@ def test_the_close_call_timed_side_by_side_leads_the_table_in_its_order_there():
     first = next(i for i, line in enumerate(lines) if line.lstrip().startswith("strategy")) + 1
     assert lines[first].startswith("*") and "parallel_mode " in lines[first], lines  # the pick, first
     assert "zero1" in lines[first + 1] and "checkpoint" in lines[first + 2], lines  # then the dry runs' order
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--world-size", "0"], "--world-size takes a positive whole number (at most 1048576), got 0"),
+    (["--world-size", "-3"], "got -3"),
+    (["--world-size", str(10**12)], "at most 1048576"),
+    (["--world-size", "8", "--memory", "inf"], "--memory takes a positive size"),
+    (["--world-size", "8", "--memory=-1GiB"], "--memory takes a positive size"),
+    (["--world-size", "8", "--memory", "lots"], "--memory takes a positive size"),
+    (["--world-size", "8", "--batch-size", "-2"], "--batch-size takes a positive whole number, got -2"),
+    (["--world-size", "8", "--seq-len", "-5"], "--seq-len takes a positive whole number, got -5"),
+    (["--world-size", "8", "--top", "0"], "--top takes a positive whole number, got 0"),
+])
+def test_plan_refuses_sizes_that_are_not_positive_by_name(flags, message, capsys):
+    # Issue 56: world size 0 and a negative sequence length printed a table; --memory inf ended in
+    # an OverflowError; 10**12 ranks ran for minutes.
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--hf-config", "docs/plans/llama7b.json", *flags])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err

@@ -12,13 +12,13 @@ GIB = 2**30
 def add_parser(sub) -> None:
     plan = sub.add_parser("plan", help="estimate per-rank memory (GiB) of candidate strategies, with no hardware")
     add_model_flags(plan)  # required, as --world-size is: _missing reports every missing flag at once
-    plan.add_argument("--world-size", type=int, default=None)
-    plan.add_argument("--memory", default=None,
+    plan.add_argument("--world-size", type=_count("--world-size", MAX_RANKS), default=None)
+    plan.add_argument("--memory", type=_size, default=None,
                       help="memory per device (80GiB, 40GB, bytes); default 80GiB, or the profile's with --search")
     plan.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    plan.add_argument("--batch-size", type=int, default=None,
+    plan.add_argument("--batch-size", type=_count("--batch-size"), default=None,
                       help="global batch (sequences); leave out for model states only (weights, gradients, optimizer)")
-    plan.add_argument("--seq-len", type=int, default=2048)
+    plan.add_argument("--seq-len", type=_count("--seq-len"), default=2048)
     plan.add_argument("--dtype", default=None,
                       help="atorch accounting: the model's dtype (default float32); deepspeed: the 16-bit dtype (default bf16)")
     plan.add_argument("--optimizer", default="AdamW", help="a torch.optim class (AdamW, Adam, SGD, Adagrad, ...)")
@@ -30,11 +30,50 @@ def add_parser(sub) -> None:
                            "on --profile's hardware")
     plan.add_argument("--profile", default=None,
                       help="with --search: a hardware profile name (atorch/auto/search/profiles) or JSON file")
-    plan.add_argument("--top", type=int, default=10, help="with --search: how many layouts to print")
+    plan.add_argument("--top", type=_count("--top"), default=10, help="with --search: how many layouts to print")
     plan.add_argument("--json", action="store_true",
                       help="with --search: print one JSON document (every candidate with its layout, memory terms, "
                            "step time, MFU and reason) instead of the table")
     plan.set_defaults(func=cmd_plan)
+
+
+# Ranks a plan may ask for: the layouts of a million ranks are listed in seconds; 10**12 took
+# minutes and gigabytes, scanning every divisor.
+MAX_RANKS = 2**20
+
+
+def _count(flag: str, most: int | None = None):
+    """An argparse type: a positive int (at most ``most``), refused by name otherwise."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a positive whole number, got {text!r}") from None
+        if value < 1 or (most is not None and value > most):
+            bound = f" (at most {most})" if most is not None else ""
+            raise argparse.ArgumentTypeError(f"{flag} takes a positive whole number{bound}, got {value}")
+        return value
+
+    return parse
+
+
+def _size(text: str) -> str:
+    """An argparse type for --memory: a positive, finite size (80GiB, 40GB, bytes), kept as written."""
+    import argparse
+    import math
+
+    from atorch.auto.search.cost import parse_bytes
+
+    try:
+        value = float(parse_bytes(text)) if not text.strip().lower().endswith(("inf", "nan")) else math.inf
+    except (ValueError, OverflowError):
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"--memory takes a positive size such as 80GiB, 40GB or a number of bytes, "
+                                         f"got {text!r}")
+    return text
 
 
 def _progress(message: str) -> None:
