@@ -361,3 +361,39 @@ def test_plan_refuses_sizes_that_are_not_positive_by_name(flags, message, capsys
         main(["plan", "--hf-config", "docs/plans/llama7b.json", *flags])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _text_file(path, text: str):
+    path.write_text(text)
+    return str(path)
+
+
+def test_bad_hf_configs_and_strategy_files_are_refused_by_name_not_with_a_traceback(tmp_path, capsys):
+    # Issue 56 (fuzzed inputs): each of these ended in a traceback, or blocked forever (a FIFO).
+    import os
+
+    cases = {
+        _text_file(tmp_path / "empty.json", "{}"): "needs a JSON object with a 'model_type'",
+        _text_file(tmp_path / "neg.json", json.dumps({"model_type": "llama", "hidden_size": -32, "num_hidden_layers": 2,
+                                                   "num_attention_heads": 4, "vocab_size": 100})):
+            "sizes must be positive whole numbers, got {'hidden_size': -32}",
+        _text_file(tmp_path / "heads.json", json.dumps({"model_type": "llama", "hidden_size": 30, "num_hidden_layers": 2,
+                                                     "num_attention_heads": 4, "vocab_size": 100,
+                                                     "intermediate_size": 64})):
+            "does not build a model: ValueError: The hidden size (30) is not a multiple",
+        _text_file(tmp_path / "text.json", "not json"): "is not a JSON config",
+    }
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    cases[str(fifo)] = "is not a file"
+    for path, message in cases.items():
+        assert main(["plan", "--hf-config", path, "--world-size", "2"]) == 2, path
+        assert message in capsys.readouterr().err, path
+    strategies = {
+        _text_file(tmp_path / "version.json", json.dumps({"version": "x", "methods": [{"name": "parallel_mode"}]})):
+            "'version' must be a positive whole number",
+        _text_file(tmp_path / "deep.json", "[" * 1000 + "]" * 1000): "nests its JSON too deep",
+    }
+    for path, message in strategies.items():
+        assert main(["validate", path]) == 2, path
+        assert message in capsys.readouterr().err, path

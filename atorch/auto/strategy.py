@@ -232,6 +232,9 @@ class Strategy:
             data = json.loads(text)
         except json.JSONDecodeError as error:
             raise StrategyFileError(f"{source} is not valid JSON: {error}") from None
+        except RecursionError:
+            raise StrategyFileError(f"{source} nests its JSON too deep for a strategy; a strategy is a list of "
+                                    "methods, each with a flat config") from None
         return cls.from_data(data, source)
 
     # ----- files
@@ -262,6 +265,9 @@ def read_strategy_file(path: str | os.PathLike) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as error:
         raise StrategyFileError(f"{source} is not valid JSON: {error}") from None
+    except RecursionError:
+        raise StrategyFileError(f"{source} nests its JSON too deep for a strategy; a strategy is a list of "
+                                "methods, each with a flat config") from None
 
 
 def _decode(raw: str | bytes, source: str) -> str:
@@ -307,7 +313,11 @@ def method_entries(data: Any, source: str = "strategy") -> tuple[list, str | Non
             raise StrategyFileError(f"{source}: 'description' must be text")
         if data.get("format", FORMAT_NAME) != FORMAT_NAME:
             raise StrategyFileError(f"{source}: format is {data['format']!r}, expected {FORMAT_NAME!r}")
-        if data.get("version", FORMAT_VERSION) > FORMAT_VERSION:
+        version = data.get("version", FORMAT_VERSION)
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise StrategyFileError(f"{source}: 'version' must be a positive whole number (this atorch writes "
+                                    f"{FORMAT_VERSION}), got {version!r}")
+        if version > FORMAT_VERSION:
             raise StrategyFileError(
                 f"{source}: written by a newer atorch (format version {data['version']}); upgrade atorch"
             )

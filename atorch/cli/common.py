@@ -43,6 +43,36 @@ def add_model_flags(parser, required: bool = False) -> None:
     source.add_argument("--model", help="module:function returning the model (built on the meta device)")
 
 
+def _hf_model(path: str, auto_config, auto_model, torch):
+    """The causal LM of a transformers config file, on the meta device; a ValueError naming the
+    file and what is wrong with it otherwise (not a traceback from deep in transformers or torch)."""
+    import os
+    import stat
+
+    if not os.path.isfile(path) or stat.S_ISFIFO(os.stat(path).st_mode):
+        raise ValueError(f"--hf-config {path!r} is not a file (a pipe or a folder would block or fail the read)")
+    try:
+        with open(path) as file:
+            fields = json.load(file)
+    except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as error:
+        raise ValueError(f"--hf-config {path!r} is not a JSON config: {error}") from None
+    if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
+        raise ValueError(f"--hf-config {path!r} needs a JSON object with a 'model_type' (e.g. \"llama\"), as a "
+                         "transformers config.json has")
+    sizes = {k: v for k, v in fields.items() if k.endswith(("_size", "_layers", "_heads")) or k == "vocab_size"}
+    bad = {k: v for k, v in sizes.items() if not (isinstance(v, int) and not isinstance(v, bool) and v > 0)
+           and v is not None}
+    if bad:
+        raise ValueError(f"--hf-config {path!r}: sizes must be positive whole numbers, got {bad}")
+    try:
+        config = auto_config.for_model(**fields)
+        with torch.device("meta"):
+            return auto_model.from_config(config)
+    except Exception as error:  # noqa: BLE001 - transformers' validators raise their own kinds
+        reason = str(error).strip().splitlines()[-1].strip() if str(error).strip() else type(error).__name__
+        raise ValueError(f"--hf-config {path!r} does not build a model: {reason}") from None
+
+
 def build_model(args, dtype=None):
     """The model named by ``--hf-config`` or ``--model``, on the meta device (no memory, no
     download); None when neither was given. ``dtype``: a torch.dtype to cast the model to."""
@@ -53,10 +83,7 @@ def build_model(args, dtype=None):
     if getattr(args, "hf_config", None):
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        with open(args.hf_config) as file:
-            config = AutoConfig.for_model(**json.load(file))
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        model = _hf_model(args.hf_config, AutoConfig, AutoModelForCausalLM, torch)
     elif getattr(args, "model", None):
         module_name, _, function = args.model.partition(":")
         if not function:
