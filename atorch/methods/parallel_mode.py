@@ -45,7 +45,13 @@ class ParallelModeConfig(MethodConfig):
     @field_validator("dims")
     @classmethod
     def _atorch_dim_names(cls, dims):
-        return None if dims is None else [(DIM_ALIASES.get(name, name), size) for name, size in dims]
+        if dims is None:
+            return None
+        bad = [(name, size) for name, size in dims if size < 1]
+        if bad:  # a size 0 divided the world by zero while the dims were fitted
+            raise ValueError(f"every dim's size must be at least 1, got {bad}; leave a dim out (or give it 1) "
+                             "to not split over it")
+        return [(DIM_ALIASES.get(name, name), size) for name, size in dims]
 
 
 def build_topology(ctx: ModelContext, config: ParallelModeConfig) -> None:

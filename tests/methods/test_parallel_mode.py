@@ -41,3 +41,13 @@ def test_the_original_atorch_dim_names_are_read_as_atorchs():
     strategy = Strategy([("parallel_mode", ([("model", 2), ("pipe", 2), ("data", 2)], None)), "tensor_parallel"])
     assert strategy.get("parallel_mode").dims == [("tensor", 2), ("pipeline", 2), ("data", 2)]
     assert "model" not in strategy.to_json()  # the saved strategy names what runs
+
+
+@pytest.mark.parametrize("size", [0, -2])
+def test_a_dim_of_size_below_one_is_refused_by_name(size):
+    # Issue 56: dims [["pipeline", 0]] with tensor_parallel on 2 ranks ended in ZeroDivisionError.
+    from atorch.auto.strategy import parse_strategy
+    from atorch.errors import MethodConfigError
+
+    with pytest.raises(MethodConfigError, match=r"every dim's size must be at least 1, got \[\('pipeline', "):
+        parse_strategy([("parallel_mode", {"dims": [["pipeline", size]]}), "tensor_parallel"])
