@@ -88,6 +88,8 @@ def _parse(payload: dict, path: Path) -> tuple[Strategy, SearchReport]:
     if not isinstance(payload["report"], dict):
         raise ValueError(f"its report is a {type(payload['report']).__name__}")
     report = SearchReport.from_dict(payload["report"])
+    if report.note is not None and not isinstance(report.note, str):  # load() appends to it
+        raise ValueError(f"its report's note is a {type(report.note).__name__}, not text")
     return Strategy.from_data(payload["strategy"], f"search cache entry {str(path)!r}"), report
 
 

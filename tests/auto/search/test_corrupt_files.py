@@ -24,6 +24,7 @@ CACHE_ENTRIES = {
     "bad candidate": json.dumps({"strategy": [], "report": {"candidates": [5]}}),  # TypeError
     "unknown method": json.dumps({"strategy": ["nope"], "report": _REPORT}),
     "hostile ds_config": json.dumps({"strategy": _HOSTILE_STRATEGY, "report": _REPORT}),
+    "a note that is not text": json.dumps({"strategy": [], "report": {**_REPORT, "note": 5}}),  # TypeError in load
 }
 CALIBRATIONS = {
     "deep nesting": "{" + '"a":[' * 50_000,
