@@ -175,3 +175,17 @@ def test_the_search_reports_and_uses_the_calibration_of_this_machine(tmp_path, m
     calibrated, text = _step_estimate()
     assert text.startswith("calibrated rates") and "cpu-world1.json" in text
     assert calibrated == pytest.approx(nominal * 1000, rel=1e-6)
+
+
+def test_a_calibration_without_its_bf16_rate_is_not_used(tmp_path, caplog):
+    # Issue 56: accepted, then a KeyError at the first amp candidate's estimate.
+    import logging
+
+    _write_calibration(tmp_path, 2, 1e9, {"all_reduce": (1e8, 1e-4)})
+    path = calib.cache_path(torch.device("cpu"), 2, tmp_path)
+    data = json.loads(path.read_text())
+    del data["matmul_flops"]["bf16"]
+    path.write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING, logger="atorch"):
+        rates, text = calib.cached_rates(torch.device("cpu"), 2, tmp_path)
+    assert rates is None and "needs both 'fp32' and 'bf16' rates" in text

@@ -197,6 +197,9 @@ def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwarePro
     if not 0 <= overlap <= 1:
         raise UnknownProfileError(f"hardware profile {path}: overlap is a share of the communication, in [0, 1], "
                                   f"not {overlap:g}")
+    if not isinstance(data["matmul_flops"], dict) or not {"fp32", "bf16"} <= set(data["matmul_flops"]):
+        raise UnknownProfileError(f"hardware profile {path}: matmul_flops needs both 'fp32' and 'bf16' rates (the "
+                                  "cost model reads one or the other for every candidate)")
     if (not 0 < fraction <= 1
             or not all(math.isfinite(v) and v > 0 for v in data["matmul_flops"].values())
             or not all(math.isfinite(v) and v > 0 for link in links for v in (link.bandwidth, link.latency))):
