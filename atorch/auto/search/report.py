@@ -233,7 +233,9 @@ class SearchReport:
 def _table_lines(rows: list[tuple], width: int) -> list[str]:
     """``rows`` as aligned columns within ``width``: the last column (status and reason) wraps
     under itself, and the strategy column (the second) wraps at its " + " where a long name would
-    push the line past ``width``."""
+    push the line past ``width``. A cell past ``CELL_LIMIT`` characters (a damaged or hostile
+    report) is cut there: wrapping 16 MB of one word took minutes."""
+    rows = [tuple(_clipped(cell) for cell in row) for row in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     # the status column keeps its longest word, or 24 characters where a reason follows it
     status = 24 if any(":" in r[-1] for r in rows[1:]) else max(len(r[-1]) for r in rows)
@@ -253,6 +255,13 @@ def _table_lines(rows: list[tuple], width: int) -> list[str]:
             left = " " * (widths[0] + 2) + name.ljust(widths[1])
             lines.append(f"{left.ljust(len(indent))}{more}".rstrip())
     return lines
+
+
+CELL_LIMIT = 2000
+
+
+def _clipped(text: str) -> str:
+    return text if len(text) <= CELL_LIMIT else text[:CELL_LIMIT] + f" ... ({len(text) - CELL_LIMIT} more characters)"
 
 
 def size_text(value: int | None) -> str:

@@ -72,3 +72,19 @@ def test_two_ranks_both_skip_the_bad_files(tmp_path):
     results = run_distributed(_read_bad_files, 2, str(tmp_path), timeout_s=60)
     for entry, rates, line in results:
         assert entry is None and rates is None and "nominal rates" in line
+
+
+def test_a_report_with_a_reason_of_16_mb_prints_at_once():
+    # Issue 56: `atorch explain` on such a report wrapped one 16 MB word for minutes; a cell is cut
+    # at report.CELL_LIMIT characters.
+    import time
+
+    from atorch.auto.search.report import CELL_LIMIT, CandidateResult
+
+    report = SearchReport(world_size=1, device="cpu", memory_budget_bytes=1)
+    report.candidates.append(CandidateResult({"methods": [{"name": "parallel_mode"}]}, status="failed",
+                                             reason="x" * 16_000_000))
+    start = time.perf_counter()
+    text = report.table()
+    assert time.perf_counter() - start < 5
+    assert len(text) < 10 * CELL_LIMIT and f"({16_000_000 - CELL_LIMIT}" in text
