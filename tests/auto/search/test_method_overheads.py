@@ -116,7 +116,7 @@ def test_a_bubble_on_shared_cores_costs_only_past_what_the_idle_ranks_give_back(
 def test_ranks_per_core_is_read_checked_and_measured_from_this_machine(monkeypatch):
     from atorch.auto.search import calibrate as calib
 
-    data = {"matmul_flops": {"fp32": 1e9}, "sustained_fraction": 1.0, "memory": 2**30, "gpus_per_node": 1,
+    data = {"matmul_flops": {"fp32": 1e9, "bf16": 2e9}, "sustained_fraction": 1.0, "memory": 2**30, "gpus_per_node": 1,
             "intra_node": {"bandwidth": 1e9, "latency": 1e-5}, "inter_node": {"bandwidth": 1e9, "latency": 1e-5},
             "sources": {"matmul_flops": "t", "memory": "t", "intra_node.bandwidth": "t", "inter_node.bandwidth": "t"}}
     assert profile_from_data(data).ranks_per_core == 1.0
@@ -130,7 +130,7 @@ def test_ranks_per_core_is_read_checked_and_measured_from_this_machine(monkeypat
 
 
 def test_a_negative_method_overhead_is_refused():
-    data = {"matmul_flops": {"fp32": 1e9}, "sustained_fraction": 1.0, "memory": 2**30, "gpus_per_node": 1,
+    data = {"matmul_flops": {"fp32": 1e9, "bf16": 2e9}, "sustained_fraction": 1.0, "memory": 2**30, "gpus_per_node": 1,
             "intra_node": {"bandwidth": 1e9, "latency": 1e-5}, "inter_node": {"bandwidth": 1e9, "latency": 1e-5},
             "sources": {"matmul_flops": "t", "memory": "t", "intra_node.bandwidth": "t", "inter_node.bandwidth": "t"}}
     assert profile_from_data({**data, "method_seconds": {"zero1": 0.01}}).method_seconds == {"zero1": 0.01}

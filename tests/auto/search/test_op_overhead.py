@@ -118,7 +118,7 @@ def test_a_pipeline_stage_runs_its_operators_once_per_microbatch():
 
 @pytest.mark.parametrize("term", ["op_seconds", "checkpoint_save_seconds", "wrapped_call_seconds"])
 def test_a_negative_overhead_is_refused(term):
-    data = {"matmul_flops": {"fp32": 1e9}, "sustained_fraction": 1.0, "memory": "1GiB", "gpus_per_node": 1,
+    data = {"matmul_flops": {"fp32": 1e9, "bf16": 2e9}, "sustained_fraction": 1.0, "memory": "1GiB", "gpus_per_node": 1,
             "intra_node": {"bandwidth": 1e9, "latency": 1e-5}, "inter_node": {"bandwidth": 1e9, "latency": 1e-5},
             "sources": {"matmul_flops": "t", "memory": "t", "intra_node.bandwidth": "t", "inter_node.bandwidth": "t"},
             term: -1.0}
