@@ -69,6 +69,23 @@ def refused_keys(config: dict, prefix: str = "") -> list[str]:
     return refused
 
 
+# DeepSpeed's own settings nest 3 levels at most (zero_optimization.offload_param.device); a
+# strategy file nesting thousands (fuzzed) ran out of recursion while it was read or saved.
+MAX_DEPTH = 16
+
+
+def nesting_depth(value: Any, limit: int = MAX_DEPTH + 1) -> int:
+    """How deep dicts and lists nest in ``value`` (a plain value is 0), counted without recursion
+    and only up to ``limit``."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list, tuple)) and depth < limit:
+            deepest = max(deepest, depth + 1)
+            stack += [(child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)]
+    return deepest
+
+
 def check_ds_config(config: Any) -> Any:
     """``config`` when a strategy may carry it; ValueError naming the refused keys otherwise
     (a pydantic validator: the method's config error names the method and the field)."""
@@ -76,6 +93,10 @@ def check_ds_config(config: Any) -> Any:
         if isinstance(config, TrustedDsConfig):
             raise ValueError("a TrustedDsConfig goes in trusted_ds_config, not ds_config")
         return config  # pydantic's type check says what is wrong with a non-dict
+    depth = nesting_depth(config)
+    if depth > MAX_DEPTH:
+        raise ValueError(f"ds_config nests more than {MAX_DEPTH} levels deep; DeepSpeed's own settings nest 3 at "
+                         "most (zero_optimization.offload_param.device)")
     refused = refused_keys(config)
     if refused:
         raise ValueError(

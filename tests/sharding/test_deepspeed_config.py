@@ -112,3 +112,16 @@ def test_the_allow_list_is_exactly_the_reviewed_one():
 
     assert set(ALLOWED_KEYS) == REVIEWED, set(ALLOWED_KEYS) ^ REVIEWED
     assert not REVIEWED & set(HOSTILE)
+
+
+def test_a_ds_config_nested_thousands_deep_is_refused_by_name():
+    # Issue 56 (fuzzed): accepted on load, then a RecursionError in Strategy.save (3000 levels: on load).
+    deep: dict = {}
+    level = deep
+    for i in range(3000):
+        level["zero_optimization" if i == 0 else "a"] = {}
+        level = level["zero_optimization" if i == 0 else "a"]
+    with pytest.raises(MethodConfigError, match="ds_config nests more than 16 levels deep"):
+        Strategy.from_data([{"name": "zero2", "config": {"use_ds_zero": True, "ds_config": deep}}])
+    shallow = {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}
+    assert Strategy([("zero2", {"use_ds_zero": True, "ds_config": shallow})]).get("zero2").ds_config == shallow
