@@ -8,7 +8,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from atorch.auto.strategy import Strategy, parse_strategy
 from atorch.errors import AtorchConfigError
@@ -106,28 +105,25 @@ class TokenWeights:
     - marked with :func:`atorch.with_count` (a custom loss: its mean and the count it averages over).
 
     Other losses keep the trainer's per-part mean; on a padded batch (labels -100) a WARNING says
-    so once. One all-reduce of the count a step (and one more at the first step). Backward stays
-    per micro-batch: each part's backward carries ``loss x count / K``, K the previous step's
-    count per part and rank (the same on every rank), so the gradients keep a mean's magnitude;
-    ``finish`` multiplies them by ``W x K / N`` (W data ranks, whose reduction averages; N the
-    global count).
+    so once. The weighting is atorch's own loop's (:meth:`atorch.loss.step.StepTokens.deferred`):
+    each part's backward carries ``loss x count / K``, and ``finish`` multiplies the gradients by
+    ``W x K / N`` after one all-reduce of the count a step (and one more at the first step).
     """
 
     def __init__(self, root: torch.nn.Module, group: Any, data_size: int, mode: str, fix: str):
         from atorch.loss.contract import MODES
+        from atorch.loss.step import StepTokens
 
         if mode not in MODES:
             raise AtorchConfigError(f"loss_normalization={mode!r} is not one of {list(MODES)}: 'tokens' weights each "
                                     "part of a split batch by the label tokens its loss counts (the default), "
                                     "'per_part_mean' weights each part as one")
-        self.mode, self.group, self.data_size, self.fix = mode, group, max(int(data_size), 1), fix
-        self.expected: float | None = None  # K
-        self.skipped = 0  # steps whose global batch counted nothing (every label -100)
+        self.mode, self.fix = mode, fix
+        self.steps = StepTokens(group, data_size)  # the weighting itself, as atorch's own loop does it
         self.last_inputs: Any = None  # the keyword arguments of the last model call that gave a loss
         # (a weak reference to a model call's loss, its count): held weakly, so a loss that is never
         # passed to backward (an evaluation with gradients on) does not keep its graph alive.
         self._seen: collections.deque = collections.deque(maxlen=4)
-        self._count: torch.Tensor | None = None  # this step's count on this rank, so far
         self._parts = self._unweighted = 0
         self._warned = False  # the first unweighted backward's batch was checked for padding
         if mode == "tokens":
@@ -166,16 +162,10 @@ class TokenWeights:
 
     def weigh(self, loss: torch.Tensor, count: torch.Tensor, multiplier: float = 1.0) -> torch.Tensor:
         """The tensor to backward for a part whose loss (``loss / multiplier``) counts ``count``."""
-        count = count.detach().to(loss.device)
-        if self.expected is None:  # the first step: the mean count per part over the ranks
-            first = count.double().clone()
-            self._all_reduce(first)
-            self.expected = max(float(first) / self.data_size, 1.0)
-        self._count = count.double() if self._count is None else self._count + count.double()
+        from atorch.loss.contract import with_count
+
         self._parts += 1
-        factor = (count.double() * multiplier / self.expected).to(loss.dtype)
-        # A part that counts nothing adds nothing (its mean is 0/0).
-        return torch.where(count > 0, loss * factor, torch.zeros((), dtype=loss.dtype, device=loss.device))
+        return self.steps.deferred(with_count(loss, count.detach()), multiplier)
 
     def unweighted(self, batch: Any = None) -> None:
         """A backward whose loss says nothing of its count: the trainer's own per-part mean. The
@@ -202,33 +192,20 @@ class TokenWeights:
         parts, unweighted, self._parts, self._unweighted = self._parts, self._unweighted, 0, 0
         if parts == 0:
             return
-        total, self._count = self._count, None
         if unweighted:
             raise TrainerStrategyError(
                 f"one optimizer step took {parts} loss(es) with a token count and {unweighted} without one: weight "
                 "every backward of a step the same way (the model's own loss or atorch.with_count on each)")
-        self._all_reduce(total)
-        count = float(total)
-        factor = self.data_size * self.expected / count if count > 0 else 0.0
-        with torch.no_grad():
-            for param in params:
-                if param.grad is None:
-                    continue
-                if count > 0:
-                    param.grad.mul_(factor)
-                else:
-                    param.grad = None
-        if count > 0:
-            self.expected = count / (self.data_size * parts)
-        else:
-            self.skipped += 1
-            logger.warning("an optimizer step's global batch has no counted label (every label is -100): its "
-                           "gradients are dropped and the weights stay as they are; %d such step(s) so far",
-                           self.skipped)
-
-    def _all_reduce(self, tensor: torch.Tensor) -> None:
-        if self.data_size > 1:
-            dist.all_reduce(tensor, group=self.group)
+        params = list(params)
+        self.steps.finish_accumulation(params, parts)
+        if not self.steps.empty:
+            return
+        for param in params:
+            param.grad = None
+        self.steps.skipped += 1
+        logger.warning("an optimizer step's global batch has no counted label (every label is -100): its "
+                       "gradients are dropped and the weights stay as they are; %d such step(s) so far",
+                       self.steps.skipped)
 
 
 def token_weights(root: torch.nn.Module, mode: str, fix: str) -> TokenWeights:
