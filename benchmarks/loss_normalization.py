@@ -83,8 +83,8 @@ def job(size: dict, splits: list[str], repeats: int, steps: int) -> list[dict]:
     torch.set_num_threads(1)
     rows = []
     for split in splits:
-        samples = harness.interleave({"exact": _stepper(size, split, True), "per-part mean": _stepper(size, split, False)},
-                                     repeats, steps)
+        steppers = {"exact": _stepper(size, split, True), "per-part mean": _stepper(size, split, False)}
+        samples = harness.interleave(steppers, repeats, steps)
         rows.append({"split": split, "exact": harness.summary(samples["exact"]),
                      "per_part_mean": harness.summary(samples["per-part mean"]),
                      "ratio": harness.ratio(samples, "exact", "per-part mean")})

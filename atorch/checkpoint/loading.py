@@ -102,7 +102,8 @@ def _copying(finish, copies: dict[str, str], added: set):
     def finish_with_copies(loaded: dict) -> None:
         optim = loaded["optim"]
         for key, source in copies.items():
-            optim[key] = optim[source].clone() if isinstance(optim[source], torch.Tensor) else copy.deepcopy(optim[source])
+            value = optim[source]
+            optim[key] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
         for source in added:
             del optim[source]
         finish(loaded)

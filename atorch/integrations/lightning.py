@@ -241,7 +241,8 @@ class AtorchStrategy(DDPStrategy):
                 closure_loss = weights.weigh(closure_loss, count)
             elif pending is not None and pending[0] is not None:
                 # Lightning divided training_step's loss by the accumulated batches; the count divides instead.
-                closure_loss = weights.weigh(closure_loss, pending[0], self.lightning_module.trainer.accumulate_grad_batches)
+                accumulation = self.lightning_module.trainer.accumulate_grad_batches
+                closure_loss = weights.weigh(closure_loss, pending[0], accumulation)
             else:
                 weights.unweighted(pending[1] if pending is not None else None)
         return super().backward(closure_loss, optimizer, *args, **kwargs)

@@ -99,7 +99,8 @@ class CountedLoss:
             from atorch.errors import AtorchConfigError
 
             raise AtorchConfigError(f"loss_normalization={mode!r} is not one of {list(MODES)}: 'tokens' weights each "
-                                    "part of a split batch by what its loss counts (the default), 'per_part_mean' by one")
+                                    "part of a split batch by what its loss counts (the default), "
+                                    "'per_part_mean' by one")
         self.loss_func, self.rule, self.mode = loss_func, rule, mode
         self._warned = False
 

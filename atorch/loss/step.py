@@ -8,8 +8,9 @@ reductions average over the W data ranks, so a part's backward carries ``loss x 
   over the data group, then the backward of the scaled loss (no pass over the gradients);
 - with accumulation, each micro-batch's backward carries ``loss x count / K`` (K: the previous
   step's count per micro-batch and rank, at the first step the first micro-batch's mean count
-  over the ranks; the same on every rank, so gradients keep a mean's magnitude); after the last one, one all-reduce gives N and the gradients are multiplied by
-  ``W x K / N`` before anyone reads them.
+  over the ranks; the same on every rank, so gradients keep a mean's magnitude); after the last
+  one, one all-reduce gives N and the gradients are multiplied by ``W x K / N`` before anyone
+  reads them.
 
 Either way one small all-reduce a step, and the backward stays per micro-batch. A step whose
 global count is 0 (every label -100) gets zero gradients and no optimizer step (loop.step).

@@ -325,8 +325,9 @@ class PipelineModel(nn.Module):
 
     def _returned_loss(self, totals: torch.Tensor, last_rank: int):
         if self.return_mb_loss:  # each microbatch's own mean, as NxD returns them
-            return reduce_losses([self._mb_losses[i] for i in sorted(self._mb_losses)] if self.has_last else None, self.topology, self.pipeline_group,
-                                 last_rank, self.num_microbatches, True, self.broadcast_and_average_loss)
+            losses = [self._mb_losses[i] for i in sorted(self._mb_losses)] if self.has_last else None
+            return reduce_losses(losses, self.topology, self.pipeline_group, last_rank, self.num_microbatches, True,
+                                 self.broadcast_and_average_loss)
         if not (self.has_last or self.broadcast_and_average_loss):
             return None
         # the global batch's mean over what its losses count (NaN where it counts nothing)

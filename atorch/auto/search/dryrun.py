@@ -52,7 +52,8 @@ def train_step(ctx: ModelContext, batches: list) -> None:
         batch = ctx.prepare_input(batch, ctx.device)
         loss = ctx.loss_func(batch, run_model(ctx.model, batch, ctx.model_input_format))
         loss = loss[0] if isinstance(loss, (tuple, list)) else loss
-        loop.backward(ctx.args, ctx.optim, loss, ctx.model, ctx.loss_tokens)  # the model: accumulation turns its reduction on and off
+        # the model: accumulation turns its reduction on and off
+        loop.backward(ctx.args, ctx.optim, loss, ctx.model, ctx.loss_tokens)
         loop.step(ctx.args, ctx.optim, ctx.loss_tokens)
 
 
