@@ -1,0 +1,30 @@
+"""The search decides as it did when its replays were recorded (tests/auto/search/replay.py): the
+same candidates, estimates to the last digit, prunes and their reasons, dry runs, ties and pick,
+on the recorded machine, for benchmarks/search_quality.py's nine scenarios, the README example
+and the shapes of this folder's searches."""
+
+import json
+
+import pytest
+
+from tests.auto.search.replay import SCENARIOS, differences, replay, stored
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_search_decides_as_recorded(name, tmp_path):
+    actual = json.loads(json.dumps(replay(name, tmp_path)))
+    diff = differences(stored(name), actual)
+    assert not diff, (f"{name}: the search decides differently from its replay (re-record with "
+                      f"`python -m tests.auto.search.replay --record {name}` only for a change meant to "
+                      "change decisions):\n  " + "\n  ".join(diff))
+
+
+def test_a_changed_decision_shows():
+    """The comparison itself sees a changed reason and a changed estimate (a replay that cannot fail
+    would prove nothing)."""
+    recorded = stored("small")
+    changed = json.loads(json.dumps(recorded))
+    changed["report"]["candidates"][-1]["reason"] = "another reason"
+    first = next(c for c in changed["report"]["candidates"] if c["estimated_step_seconds"])
+    first["estimated_step_seconds"] *= 1 + 1e-15
+    assert len(differences(recorded, changed)) == 2
