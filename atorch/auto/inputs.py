@@ -90,7 +90,7 @@ def _output_file(name: str, value: Any) -> None:
 def _memory_budget(value: Any) -> None:
     if value is None:
         return
-    from atorch.auto.search.cost import parse_bytes
+    from atorch.utils.sizes import parse_bytes
 
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         _fail("memory_budget", value, "pass bytes (an int) or a size such as '70GiB' or '512MB'")

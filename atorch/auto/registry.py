@@ -1,185 +1,27 @@
 """The one registry of optimization methods, read by the appliers and the search alike.
 
 A method is one file in ``atorch/methods``: its pydantic ``Config``, a :class:`MethodSpec` with
-its metadata, and one function per :class:`Stage` it acts in. Order and compatibility are data
-in the spec; the engine sorts and checks them once.
+its metadata (atorch/auto/method_spec.py), and one function per :class:`Stage` it acts in. Order
+and compatibility are data in the spec; the engine sorts and checks them once. The built-in
+methods are loaded on the first lookup (``_ensure_builtin_methods``): they import
+method_spec.py, never this module, so loading them is not an import circle.
 """
 
 import difflib
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from enum import IntEnum
-from typing import Any
 
-from atorch.auto.config_types import MethodConfig
+from atorch.auto.method_spec import (  # noqa: F401 - the registry's public names, defined in the leaf
+    _REGISTRY,
+    DS_ACCUMULATES,
+    ONE_SHARDING,
+    Hook,
+    LayoutJob,
+    MethodSpec,
+    Relation,
+    Stage,
+    register_method,
+    unregister_method,
+)
 from atorch.errors import UnknownMethodError
-
-
-class Stage(IntEnum):
-    """When a method acts; the engine runs stages in this order."""
-
-    # Build the process mesh first: every later stage reads its groups from it.
-    TOPOLOGY = 0
-    # Swap, convert or split modules while the model is still plain, with no wrapper to see through.
-    REWRITE = 10
-    # Activation checkpointing wraps the blocks as they will finally run.
-    MEMORY = 20
-    # Compile before the sharding/replication wrappers, which add hooks of their own (torchtitan's order).
-    COMPILE = 30
-    # Shard (FSDP, ZeRO) last among model changes: sharding wraps what will finally run.
-    WRAP = 40
-    # Replicate (DDP) whatever no sharding method has claimed in WRAP.
-    REPLICATE = 45
-    # The engine builds the optimizer at the start of this stage; methods then wrap it.
-    OPTIMIZER = 50
-    # The engine builds the dataloader at the start of this stage.
-    DATA = 60
-    # Loss scaling and other hooks of the running loop.
-    RUNTIME = 70
-
-
-Hook = Callable[[Any, MethodConfig], None]
-
-# A relation to other methods: their names, names mapped to why (shown in errors and in
-# docs/methods/compatibility.md), or a function of this method's config returning either (when
-# the relation depends on the backend the config picks, e.g. zero2 absorbs amp_native only on FSDP2).
-Relation = tuple[str, ...] | Mapping[str, str] | Callable[[MethodConfig], "tuple[str, ...] | Mapping[str, str]"]
-
-
-@dataclass(frozen=True)
-class LayoutJob:
-    """What a layout method's eligibility check reads about the job, besides the model."""
-
-    # The layout's parallel dims and their sizes (the data dim included).
-    dims: Mapping[str, int]
-    # Samples each data-parallel rank gets per step; None when unknown (planning without data).
-    batch_per_data_rank: int | None = None
-    model_input_format: str | None = None
-    # The batch one data-parallel rank gets at its first step (the dataset's first samples,
-    # collated), built when called; None when unknown. A pipeline traces the model with it.
-    first_batch: Callable[[], Any] | None = field(default=None, compare=False)
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    """A method's row in the registry.
-
-    ``unsupported(device_ctx, config)`` returns why this device cannot run the method (or
-    ``None``); ``resolve(model, config)`` runs before anything is applied: it raises a user error
-    for a config that cannot work on this model, and returns the config with the choices it
-    made from the model filled in (so the returned strategy says exactly what ran).
-    """
-
-    name: str
-    config_cls: type[MethodConfig]
-    hooks: Mapping[Stage, Hook]
-    description: str
-    distributed_only: bool = False
-    # Drop this method when any of these is in the strategy (e.g. ``half`` over ``amp_native``).
-    overridden_by: tuple[str, ...] = ()
-    # Refused at plan time together with this method (see ``Relation``; give the reason).
-    conflicts: Relation = ()
-    requires: Relation = ()
-    # Within every stage they share, this method's hooks run after / before those of these
-    # methods when both are in the strategy; with stages, this is the whole applied order.
-    after: tuple[str, ...] = ()
-    before: tuple[str, ...] = ()
-    # Parallel dims this method puts to work (the data dims are always used by the dataloader).
-    uses_dims: tuple[str, ...] = ()
-    # Dropped (with a note) unless the data-parallel size (data x zero dims) is larger than 1.
-    needs_data_parallel: bool = False
-    # Dropped (with a note) unless each of these parallel dims is larger than 1.
-    needs_dims: tuple[str, ...] = ()
-    # Methods whose work this one takes over when both are present (fsdp applies amp_native's
-    # dtype as FSDP mixed precision); the absorbed method's ``skipped_when_absorbed`` stages do
-    # not run, and the absorbing method reads its config from ``ctx.strategy``.
-    absorbs: Relation = ()
-    skipped_when_absorbed: tuple[Stage, ...] = ()
-    # What the cost model's activation probe applies to its copy in place of those stages: how
-    # the absorbing method does this one's work (amp_native under fsdp: the whole model computes
-    # in amp's dtype, as FSDP's mixed precision does, not under autocast). ``(ctx, config)``.
-    absorbed_probe: Callable[[Any, MethodConfig], None] | None = None
-    unsupported: Callable[[Any, MethodConfig], str | None] | None = None
-    # A method that lays out the process mesh itself (mixed_parallel): ``(config, world_size,
-    # dims) -> (config, dims)`` at plan time, so parallel_mode builds the job's one Topology.
-    lay_out_dims: Callable[[MethodConfig, int, list], tuple[MethodConfig, list]] | None = None
-    resolve: Callable[[Any, MethodConfig], MethodConfig] | None = None
-    # ``changes_nothing(model, config)``: why the method would leave this model as it is (then it
-    # is dropped before anything runs, with that reason logged), or None.
-    changes_nothing: Callable[[Any, MethodConfig], str | None] | None = None
-    # Configs the search tries for this method; empty: the search leaves it out unless the user
-    # puts it in `included` (then its default config is tried).
-    search_space: tuple[dict, ...] = field(default_factory=tuple)
-    # Configs whose relations differ from the default config's (a backend switch): listed one by
-    # one in docs/methods/compatibility.md.
-    variants: tuple[dict, ...] = ()
-    # The method lowers the peak memory (checkpointing, sharding): a search that finds nothing
-    # within the budget suggests it when no candidate could use it.
-    saves_memory: bool = False
-    # The method only trades speed for memory (checkpointing: it never makes a step faster): the
-    # search only tries it when the same candidate without it may not fit the memory budget.
-    # Sharding saves memory but is not memory_only: it divides the optimizer's step, which the
-    # cost model times, so it is judged by its estimated step like any other method.
-    memory_only: bool = False
-    # The method's term in the cost model's activation probe (atorch/auto/search/cost.py) where
-    # the probe cannot show the method's effect (meta tensors, when planning with no hardware):
-    # ``(config, saved) -> saved``, ``saved`` mapping each dtype to the bytes one forward saves.
-    activation_term: Callable[[MethodConfig, dict], dict] | None = None
-    # The method's memory and time terms in the cost model: ``(config, cost)`` updates the
-    # candidate's ``atorch.auto.search.cost.StepCost`` (the terms run in applied order, so a
-    # sharding method divides what the layout methods before it left on the rank).
-    cost_term: Callable[[MethodConfig, Any], None] | None = None
-    # False: the cost model's activation probe does not run this method's hooks on its copy of
-    # the model (they need the process mesh or a GPU); its ``cost_term`` says what it changes.
-    # A probed hook must not call a collective: the ranks share a search's probes out, each
-    # running different ones (atorch/auto/search/share.py).
-    probed: bool = True
-    # ``(model) -> [module names]``: the units whose activations the cost model's probe records
-    # one by one (atorch.auto.search.timeline.UnitSpan, in ``StepCost.unit_spans``) for this
-    # method's ``cost_term``, e.g. the pieces a pipeline cuts the model into; [] when it has none.
-    probe_units: Callable[[Any], list[str]] | None = None
-    # A layout method (it splits the model over parallel dims): ``(world_size) -> [(dims,
-    # config), ...]``, the dims it takes (e.g. ``{"tensor": 2}``; data gets the remaining ranks)
-    # with the config the search tries on them. Keep it short: the search combines each layout
-    # with every combination of the other methods.
-    layouts: Callable[[int], Iterable[tuple[dict[str, int], dict]]] | None = None
-    # ``ineligible(model, config, job)``: why this model cannot run the method on the layout of
-    # ``job`` (heads the tensor size does not divide, fewer blocks than stages...), or None.
-    # The search reports each ineligible layout with this reason and never builds it; for a
-    # method that is not a layout method (gradient_accumulation: steps that divide a rank's
-    # batch), the search leaves out its combinations with the layouts it cannot run on.
-    ineligible: Callable[[Any, MethodConfig, LayoutJob], str | None] | None = None
-
-
-    def related(self, relation: str, config: MethodConfig | None = None) -> dict[str, str]:
-        """``conflicts``, ``requires`` or ``absorbs`` under ``config`` (the default config when
-        None), as ``{method: reason}`` (an empty reason where none is declared)."""
-        value = getattr(self, relation)
-        if callable(value):
-            value = value(config if config is not None else self.config_cls())
-        return dict(value) if isinstance(value, Mapping) else {name: "" for name in value}
-
-
-# The reason shared by the sharding methods' conflicts with each other.
-ONE_SHARDING = "each shards the model or optimizer over the data-parallel ranks on its own; pick one"
-# Why DeepSpeed's ZeRO engines refuse gradient_accumulation (the engine runs its own backward and step).
-DS_ACCUMULATES = ("DeepSpeed's engine runs its own backward and step; use zero1/zero2 without use_ds_zero, or "
-                  "fsdp, which accumulate")
-
-_REGISTRY: dict[str, MethodSpec] = {}
-
-
-def register_method(spec: MethodSpec) -> MethodSpec:
-    """Add a method; a name that is already taken is an error, not an override."""
-    if spec.name in _REGISTRY:
-        raise ValueError(f"a method named {spec.name!r} is already registered; pick another name")
-    _REGISTRY[spec.name] = spec
-    return spec
-
-
-def unregister_method(name: str) -> None:
-    """Remove a method (for tests and plugins that replace one of their own)."""
-    _REGISTRY.pop(name, None)
 
 
 def get_method(name: str) -> MethodSpec:

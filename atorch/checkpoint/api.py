@@ -21,7 +21,7 @@ from atorch.utils.optim import unwrap_optimizer
 
 
 def _size(value: int) -> str:
-    from atorch.auto.search.report import size_text
+    from atorch.utils.sizes import size_text
 
     return size_text(value)
 

@@ -64,7 +64,7 @@ def _size(text: str) -> str:
     import argparse
     import math
 
-    from atorch.auto.search.cost import parse_bytes
+    from atorch.utils.sizes import parse_bytes
 
     try:
         value = float(parse_bytes(text)) if not text.strip().lower().endswith(("inf", "nan")) else math.inf

@@ -14,7 +14,7 @@ from atorch.amp.autocast import autocast_module
 from atorch.amp.optimizer import AmpOptimizer, ScaledLossFunc
 from atorch.auto.config_types import HalfDType, MethodConfig, bf16_unsupported, dtype_shorthand
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.auto.method_spec import MethodSpec, Stage, register_method
 
 
 class AmpNativeConfig(MethodConfig):

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 
 from atorch.auto.config_types import ClassRef, MethodConfig, as_list, class_name
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.auto.method_spec import MethodSpec, Stage, register_method
 from atorch.errors import MethodConfigError
 from atorch.utils.log import logger
 from atorch.utils.memo import once

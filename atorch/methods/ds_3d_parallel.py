@@ -14,7 +14,7 @@ from pydantic import Field
 
 from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.auto.method_spec import MethodSpec, Stage, register_method
 from atorch.errors import MethodConfigError
 from atorch.pipeline.layouts import layout_for
 from atorch.sharding.deepspeed import _merge

@@ -18,7 +18,7 @@ from torch import nn
 
 from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.auto.method_spec import MethodSpec, Stage, register_method
 from atorch.utils.log import logger
 
 FP8_ALIGNMENT = 16

@@ -12,7 +12,7 @@ from pydantic import Field, model_validator
 
 from atorch.auto.config_types import ClassRef, DType, MethodConfig, as_list, class_name
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import ONE_SHARDING, MethodSpec, Stage, register_method
+from atorch.auto.method_spec import ONE_SHARDING, MethodSpec, Stage, register_method
 from atorch.errors import MethodConfigError
 from atorch.sharding import fsdp2
 from atorch.utils.log import logger

@@ -16,7 +16,7 @@ from pydantic import Field, field_validator
 
 from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.auto.method_spec import MethodSpec, Stage, register_method
 from atorch.compression.bottleneck import GenomicBottleneck
 from atorch.compression.wrap import GenomicOptimizer, predict_before_forward, without_covered
 from atorch.errors import StrategyConflictError

@@ -20,7 +20,7 @@ from pydantic import Field
 from atorch.auto import loop
 from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import LayoutJob, MethodSpec, Stage, register_method
+from atorch.auto.method_spec import LayoutJob, MethodSpec, Stage, register_method
 from atorch.errors import AtorchConfigError
 
 PIPELINED = "a pipeline's microbatches already accumulate its gradients; raise its num_microbatches instead"

@@ -12,7 +12,7 @@ from pydantic import Field, model_validator
 
 from atorch.auto.config_types import HalfDType, MethodConfig, bf16_unsupported, dtype_shorthand
 from atorch.auto.context import ModelContext, map_tensors
-from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.auto.method_spec import MethodSpec, Stage, register_method
 
 
 class HalfConfig(MethodConfig):

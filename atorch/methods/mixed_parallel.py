@@ -18,7 +18,7 @@ import torch
 from pydantic import Field
 
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import LayoutJob, MethodSpec, Stage, register_method
+from atorch.auto.method_spec import LayoutJob, MethodSpec, Stage, register_method
 from atorch.distributed import env
 from atorch.distributed.topology import DATA_PARALLEL_DIMS
 from atorch.errors import MethodConfigError, WorldSizeError

@@ -10,7 +10,7 @@ from pydantic import Field
 
 from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.auto.method_spec import MethodSpec, Stage, register_method
 from atorch.distributed import env
 from atorch.errors import MethodConfigError
 from atorch.modules.replace import replace_pairs, swap_modules

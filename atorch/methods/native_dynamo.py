@@ -12,7 +12,7 @@ from pydantic import Field, model_validator
 
 from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.auto.method_spec import MethodSpec, Stage, register_method
 from atorch.errors import MethodConfigError
 
 

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from atorch import parallel_state
 from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import MethodSpec, Stage, register_method
+from atorch.auto.method_spec import MethodSpec, Stage, register_method
 from atorch.distributed.topology import Topology
 
 # The original ATorch's names for atorch's dims (its strategies and create_parallel_group use them).

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import torch
 
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import LayoutJob, MethodSpec, Stage, register_method
+from atorch.auto.method_spec import LayoutJob, MethodSpec, Stage, register_method
 from atorch.auto.step_cost import Comm
 from atorch.errors import AtorchConfigError
 from atorch.pipeline import pipeline_eligibility

@@ -20,7 +20,7 @@ from pydantic import Field, model_validator
 
 from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import LayoutJob, MethodSpec, Stage, register_method
+from atorch.auto.method_spec import LayoutJob, MethodSpec, Stage, register_method
 from atorch.auto.step_cost import Comm
 from atorch.errors import MethodConfigError, StrategyConflictError
 from atorch.parallel_layers.auto_shard import ShardingError, plan_shards, shard_model

@@ -10,7 +10,7 @@ from pydantic import Field
 
 from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import DS_ACCUMULATES, ONE_SHARDING, MethodSpec, Stage, register_method
+from atorch.auto.method_spec import DS_ACCUMULATES, ONE_SHARDING, MethodSpec, Stage, register_method
 from atorch.methods.parallel_mode import DDP_BUCKET_BYTES
 from atorch.sharding.deepspeed import deepspeed_unavailable, wrap_deepspeed, zero_memory_terms
 from atorch.sharding.deepspeed_config import TRUSTED_DESCRIPTION, StrategyDsConfig, TrustedField, merged

@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 
 from atorch.auto.config_types import MethodConfig, class_name
 from atorch.auto.context import ModelContext
-from atorch.auto.registry import DS_ACCUMULATES, ONE_SHARDING, MethodSpec, Stage, register_method
+from atorch.auto.method_spec import DS_ACCUMULATES, ONE_SHARDING, MethodSpec, Stage, register_method
 from atorch.methods.fsdp import accumulation_terms, compute_dtype_share, mixed_precision_from
 from atorch.sharding import fsdp2
 from atorch.sharding.deepspeed import deepspeed_unavailable, wrap_deepspeed, zero_memory_terms

@@ -120,7 +120,7 @@ class StepLogger:
 
 
 def format_metrics(step: int, metrics: dict) -> str:
-    from atorch.auto.search.report import size_text
+    from atorch.utils.sizes import size_text
 
     parts = [f"step {step:4d}"]
     if "loss" in metrics:

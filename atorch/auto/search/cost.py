@@ -35,6 +35,7 @@ from atorch.auto.registry import Stage, absorbed_methods, get_method
 from atorch.auto.step_cost import _BANDWIDTH, _FLOPS, _LATENCY, Comm, MemoryEstimate, StepCost  # noqa: F401
 from atorch.auto.strategy import Strategy
 from atorch.utils.log import logger
+from atorch.utils.sizes import parse_bytes  # noqa: F401 - its old home
 
 # How far the memory estimate may be from the measured peak, as estimated / measured: the bounds
 # tests/auto/search/test_cost.py holds it to. Measured: 0.90-1.16 on the transformers of
@@ -121,7 +122,7 @@ def optimizer_seconds_per_byte(optim_func, optim_args: dict, device: torch.devic
 
 
 def _optimizer_step_seconds(optim_func, optim_args: dict, device: torch.device, elements: int) -> float:
-    from atorch.auto.search.calibrate import median_seconds
+    from atorch.auto.search.timing import median_seconds
 
     param = torch.nn.Parameter(torch.zeros(elements, device=device))
     param.grad = torch.full_like(param, 1e-3)
@@ -547,25 +548,3 @@ def estimate_step_seconds(model: torch.nn.Module, strategy: Strategy, dp_size: i
     dry runs, not to predict seconds."""
     cost = build_cost(model, strategy, dims or {"data": dp_size}, 0.0, 0, forward_flops, tokens, device_type)
     return cost.seconds()
-
-
-def parse_bytes(value: Any) -> int | None:
-    """``70GiB``, ``512MB``, ``1e9`` or an int, as bytes; None stays None."""
-    if value is None:
-        return None
-    if isinstance(value, (int, float)):
-        return int(value)
-    text = str(value).strip().replace(" ", "")
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-             "tb": 10**12, "b": 1}
-    lower = text.lower()
-    for suffix, factor in units.items():
-        if lower.endswith(suffix):
-            try:
-                return int(float(lower[: -len(suffix)]) * factor)
-            except ValueError:
-                break
-    try:
-        return int(float(text))
-    except ValueError:
-        raise ValueError(f"memory_budget {value!r} is not a size; write bytes or e.g. '70GiB', '512MB'") from None

@@ -85,16 +85,16 @@ def _job():
 
 def candidates(model, device_ctx, global_batch: int) -> list:
     """The :func:`wanted` strategies out of the search's own space for ``model``, in that order."""
-    from atorch.auto.search.engine import _layout_config, _resolved, layout_dims
+    from atorch.auto.search.estimate import layout_config, layout_dims, resolved
     from atorch.auto.search.space import candidate_space, layout_space, layout_text
 
     world = device_ctx.world_size
     layouts, _ = layout_space(model, device_ctx, global_batch, "unpack_dict", None, None)
     found: dict = {}
     for strategy in candidate_space(device_ctx, None, None, None, layouts, model=model, global_batch=global_batch):
-        strategy = _resolved(model, strategy)
+        strategy = resolved(model, strategy)
         names = tuple(n for n in strategy.opt_names if n not in ("parallel_mode", "tensor_parallel", "pipeline_parallel"))
-        layout = layout_text(layout_dims(strategy, world).items(), _layout_config(strategy))
+        layout = layout_text(layout_dims(strategy, world).items(), layout_config(strategy))
         split = tuple(n for n in strategy.opt_names if n in ("tensor_parallel", "pipeline_parallel"))
         found.setdefault((names or split, layout), strategy)
     return [found[key] for key in wanted(world) if key in found]

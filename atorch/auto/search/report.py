@@ -8,50 +8,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from atorch.auto.search.candidate import FAILED, MEASURED, PRUNED, CandidateResult  # noqa: F401 - their old home
 from atorch.utils.files import write_text_atomic
-
-MEASURED, PRUNED, FAILED = "measured", "pruned", "failed"
-
-
-@dataclass
-class CandidateResult:
-    strategy: dict
-    status: str = PRUNED
-    estimated_peak_bytes: int | None = None
-    estimate_breakdown: dict | None = None
-    estimated_step_seconds: float | None = None
-    # units of each method's host overhead the step estimate charged (StepCost.overhead_units)
-    estimate_overheads: dict | None = None
-    measured_peak_bytes: int | None = None
-    throughput: float | None = None  # global samples per second
-    # each dry run's, when it was timed again over more steps (a close call); throughput is then
-    # that of all their timed steps
-    throughputs: list[float] | None = None
-    # samples/s of its median step when the close call was timed side by side (the candidates
-    # within reach of the best, built together and stepped in turn); the winner is decided on it
-    side_by_side: float | None = None
-    side_by_side_seconds: list[float] | None = None  # each of its turns there, seconds a step
-    # every timed step's seconds (the slowest rank's), over all its dry runs; the throughput is the
-    # median step's, throughput_range the slowest and fastest step's (samples/s)
-    step_seconds: list[float] | None = None
-    throughput_range: list[float] | None = None
-    seconds: float | None = None
-    reason: str | None = None
-    # How the ranks split, e.g. "tensor=2 x data=2" (None in reports from before layouts were searched).
-    layout: str | None = None
-    # The pruning rule that removed it (a key of SearchReport.pruned), when pruned.
-    pruned_by: str | None = None
-
-    @property
-    def names(self) -> list[str]:
-        return [m["name"] for m in self.strategy["methods"]]
-
-    @property
-    def labels(self) -> list[str]:
-        """The names as the table shows them (a variant says which: ``checkpoint (selective)``)."""
-        from atorch.auto.search.space import method_labels
-
-        return method_labels((m["name"], m.get("config") or {}) for m in self.strategy["methods"])
+from atorch.utils.sizes import size_text  # noqa: F401 - its old home
 
 
 @dataclass
@@ -181,7 +140,7 @@ class SearchReport:
             return []
         others = ", ".join(self._name(i) for i in self.tied)
         winner = self._name(self.winner)
-        from atorch.auto.search.engine import TIE_CAP, TIE_ESTIMATE
+        from atorch.auto.search.pick import TIE_CAP, TIE_ESTIMATE
 
         return [f"winner {winner}: tied with {others} (their step ranges overlap the best's, medians within "
                 f"{TIE_CAP:.0%}); the tie goes to fewer methods among those estimated within {TIE_ESTIMATE:.0%} of "
@@ -262,16 +221,6 @@ CELL_LIMIT = 2000
 
 def _clipped(text: str) -> str:
     return text if len(text) <= CELL_LIMIT else text[:CELL_LIMIT] + f" ... ({len(text) - CELL_LIMIT} more characters)"
-
-
-def size_text(value: int | None) -> str:
-    """Bytes as ``12.1MiB``; None as ``-``."""
-    if value is None:
-        return "-"
-    for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if value >= factor:
-            return f"{value / factor:.1f}{unit}"
-    return f"{value}B"
 
 
 def _rate_text(value: float) -> str:

@@ -3,12 +3,12 @@
 from pathlib import Path
 
 from atorch.auto.search import cache
-from atorch.auto.search.cost import parse_bytes
 from atorch.auto.search.engine import SearchOptions, search
 from atorch.auto.strategy import Strategy
 from atorch.distributed import env
 from atorch.errors import NotSupportedError
 from atorch.utils.log import logger
+from atorch.utils.sizes import parse_bytes
 
 
 def check_searchable(optim_func, dataset, loss_func) -> None:

@@ -27,7 +27,7 @@ def _search_with_a_slow_method(report_file: str):
     from atorch.auto import auto_accelerate
     from atorch.auto.config_types import MethodConfig
     from atorch.auto.registry import MethodSpec, Stage, all_methods, get_method, register_method
-    from atorch.auto.search import engine
+    from atorch.auto.search import dryruns, prune
     from tests.auto.search.one_method import OTHERS
     from tests.helpers.models import TinyTransformer, TokenDataset, lm_loss
 
@@ -42,7 +42,7 @@ def _search_with_a_slow_method(report_file: str):
     except ValueError:
         register_method(MethodSpec("_slow_estimate", SlowConfig, {Stage.REWRITE: lambda ctx, config: None},
                                    "estimated slow, changes nothing", search_space=({},), cost_term=cost_term))
-    engine._prune_twins = engine._prune_dominated = lambda *args, **kwargs: None
+    prune.prune_twins = prune.prune_dominated = dryruns.prune_twins = lambda *args, **kwargs: None
     torch.manual_seed(0)
     status, _, strategy = auto_accelerate(
         TinyTransformer(), torch.optim.AdamW, TokenDataset(), lm_loss, optim_args={"lr": 1e-2},

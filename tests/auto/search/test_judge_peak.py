@@ -4,7 +4,8 @@ explicit budget only if the estimate fits it even at the lowest estimated / meas
 seen (cost.ESTIMATE_FLOOR: 0.35 on checkpointed candidates), never at the usual 0.8."""
 
 from atorch.auto.search import cost
-from atorch.auto.search.engine import SearchOptions, _judge
+from atorch.auto.search.dryruns import judge as _judge
+from atorch.auto.search.engine import SearchOptions
 from atorch.auto.search.report import FAILED, MEASURED, CandidateResult
 
 BUDGET = 1000

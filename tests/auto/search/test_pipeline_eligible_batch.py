@@ -103,7 +103,7 @@ def _search(report_file: str):
 
 
 def test_the_search_rules_such_pipelines_out_without_a_dry_run(tmp_path):
-    from atorch.auto.search.engine import INELIGIBLE
+    from atorch.auto.search.candidate import INELIGIBLE
     from atorch.auto.search.report import SearchReport
     from tests.helpers.dist import run_distributed
 

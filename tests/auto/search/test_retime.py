@@ -8,8 +8,10 @@ import statistics
 import pytest
 import torch
 
-from atorch.auto.search import engine
-from atorch.auto.search.engine import MEASURED, RETIME_BAND, RETIME_MARGIN, _close_call
+from atorch.auto.search import closecall, dryruns
+from atorch.auto.search.candidate import MEASURED
+from atorch.auto.search.closecall import RETIME_BAND, RETIME_MARGIN
+from atorch.auto.search.closecall import close_call as _close_call
 from atorch.auto.search.report import CandidateResult, SearchReport
 from atorch.auto.strategy import Strategy
 
@@ -73,30 +75,30 @@ def test_a_clear_winner_or_a_lone_one_is_not_timed_again():
 def test_a_search_times_a_close_call_again_and_keeps_the_median_step(tmp_path, monkeypatch):
     # Every runner-up counts as close here, so the search re-times: one by one, as where the
     # candidates' copies cannot be alive together (tests/auto/search/test_side_by_side.py has the rest).
-    monkeypatch.setattr(engine, "RETIME_MARGIN", 1.0)
-    monkeypatch.setattr(engine, "fits_together", lambda *args: False)
+    monkeypatch.setattr(closecall, "RETIME_MARGIN", 1.0)
+    monkeypatch.setattr(closecall, "fits_together", lambda *args: False)
     order = []
-    measure = engine.dry_run
+    measure = dryruns.dry_run
 
     def recorded(pristine, strategy, *args, **kwargs):
         order.append(strategy.to_json())  # two candidates may differ only in a config (accumulation steps)
         return measure(pristine, strategy, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "dry_run", recorded)
+    monkeypatch.setattr(dryruns, "dry_run", recorded)
     report = _search(tmp_path)
     retimed = [c for c in report.candidates if c.throughputs]
     band = min(RETIME_BAND, sum(c.status == MEASURED for c in report.candidates))
     assert band >= 3 and len(retimed) == band, report.table()
     assert report.candidates[report.winner] in retimed
     for candidate in retimed:
-        assert len(candidate.throughputs) == 1 + engine.RETIME_ROUNDS and candidate.status == MEASURED
+        assert len(candidate.throughputs) == 1 + closecall.RETIME_ROUNDS and candidate.status == MEASURED
         # the median step over every timed step of the 3 dry runs (each dry run's own reading kept)
         assert len(candidate.step_seconds) == 2 * len(candidate.throughputs)  # dryrun_steps=2 per run
         median = statistics.median(candidate.step_seconds)
         assert candidate.throughput == pytest.approx(report.global_batch / median)
     # each round times every candidate of the band once, in turn
-    again = order[-band * engine.RETIME_ROUNDS:]
-    rounds = [again[i * band:(i + 1) * band] for i in range(engine.RETIME_ROUNDS)]
+    again = order[-band * closecall.RETIME_ROUNDS:]
+    rounds = [again[i * band:(i + 1) * band] for i in range(closecall.RETIME_ROUNDS)]
     assert all(sorted(r) == sorted(rounds[0]) and len(set(r)) == band for r in rounds)
 
 
@@ -112,14 +114,14 @@ def test_a_second_round_runs_only_while_two_are_within_the_margin():
 def test_a_time_limit_reached_while_re_timing_ends_the_re_timing(tmp_path, monkeypatch):
     # The first re-timing dry run finds no time left: the search stops re-timing and returns
     # what it measured (it had gone on to judge an emptied close call and raised).
-    monkeypatch.setattr(engine, "RETIME_MARGIN", 1.0)
-    original, closes = engine.from_rank0, engine._close_call
+    monkeypatch.setattr(closecall, "RETIME_MARGIN", 1.0)
+    original, closes = closecall.from_rank0, closecall.close_call
 
     def close_then_out_of_time(results):
         picked = closes(results)
-        monkeypatch.setattr(engine, "from_rank0", lambda value: False if isinstance(value, bool) else original(value))
+        monkeypatch.setattr(closecall, "from_rank0", lambda value: False if isinstance(value, bool) else original(value))
         return picked
 
-    monkeypatch.setattr(engine, "_close_call", close_then_out_of_time)
+    monkeypatch.setattr(closecall, "close_call", close_then_out_of_time)
     report = _search(tmp_path)
     assert not [c for c in report.candidates if c.throughputs]  # no re-timing ran

@@ -173,11 +173,11 @@ def _search_with_plain_estimated_slow(tmp_report, max_dryruns: int):
     """A search whose estimate puts plain DDP behind the sharded candidates (3x its own estimate),
     with dominance pruning out of the way (a rule of its own: the estimates include a timed
     optimizer step, and zero2 once came out 2.07x faster than plain at 1.8x)."""
-    from atorch.auto.search import cost, engine
+    from atorch.auto.search import cost, prune
 
     seconds = cost.StepCost.seconds
     cost.StepCost.seconds = lambda self: seconds(self) * (3.0 if set(self.methods) <= {"parallel_mode"} else 1.0)
-    engine.DOMINANCE = float("inf")
+    prune.DOMINANCE = float("inf")
     excluded = ["amp_native", "module_replace", "checkpoint", "gradient_accumulation", "tensor_parallel",
                 "pipeline_parallel", "mixed_parallel"]
     return search_and_train(tmp_report, steps=1, excluded=excluded, max_dryruns=max_dryruns, **FAST)

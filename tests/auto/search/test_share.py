@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from atorch.auto.environment import DeviceContext
 from atorch.auto.plan import resolve_strategy
-from atorch.auto.search import cost, engine
+from atorch.auto.search import cost, estimate
 from atorch.auto.search.share import run_shared
 from atorch.auto.strategy import Strategy
 from tests.helpers.dist import run_distributed
@@ -65,7 +65,7 @@ def _share(counted: list):
     try:
         candidates = [resolve_strategy(model, Strategy([("parallel_mode", {}), *m])) for m in CANDIDATES]
         memo: dict = {}
-        keys, _ = engine._share_probes(model, candidates, lambda dims: batch, ctx, device_ctx, memo, lambda: False)
+        keys, _ = estimate.share_probes(model, candidates, lambda dims: batch, ctx, device_ctx, memo, lambda: False)
     finally:
         cost._saved_bytes = real
     # what this rank would have computed alone, key by key

@@ -8,8 +8,10 @@ import torch
 import torch.distributed as dist
 
 from atorch.auto.environment import available_host_memory
-from atorch.auto.search import engine, sidebyside
-from atorch.auto.search.engine import MEASURED, _pick_winner, _tied
+from atorch.auto.search import closecall, sidebyside
+from atorch.auto.search.candidate import MEASURED
+from atorch.auto.search.pick import pick_winner as _pick_winner
+from atorch.auto.search.pick import tied_with as _tied
 from atorch.auto.search.report import CandidateResult, SearchReport
 from atorch.auto.search.sidebyside import TIE
 from atorch.auto.strategy import Strategy
@@ -67,10 +69,10 @@ def test_a_candidate_not_timed_side_by_side_cannot_win_against_those_that_were()
 
 
 def test_a_search_settles_its_close_call_side_by_side(tmp_path, monkeypatch):
-    monkeypatch.setattr(engine, "RETIME_MARGIN", 1.0)  # every runner-up is close
+    monkeypatch.setattr(closecall, "RETIME_MARGIN", 1.0)  # every runner-up is close
     report = _search(tmp_path)
     together = [c for c in report.candidates if c.side_by_side]
-    band = min(engine.RETIME_BAND, sum(c.status == MEASURED for c in report.candidates))
+    band = min(closecall.RETIME_BAND, sum(c.status == MEASURED for c in report.candidates))
     assert band >= 3 and len(together) == band, report.table()
     assert not any(c.throughputs for c in report.candidates)  # side by side instead of dry runs again
     winner = report.candidates[report.winner]
@@ -85,8 +87,8 @@ def test_a_search_settles_its_close_call_side_by_side(tmp_path, monkeypatch):
 
 
 def test_where_the_copies_cannot_be_alive_together_the_close_call_is_timed_again(tmp_path, monkeypatch):
-    monkeypatch.setattr(engine, "RETIME_MARGIN", 1.0)
-    monkeypatch.setattr(engine, "fits_together", lambda *args: False)
+    monkeypatch.setattr(closecall, "RETIME_MARGIN", 1.0)
+    monkeypatch.setattr(closecall, "fits_together", lambda *args: False)
     report = _search(tmp_path)
     assert not any(c.side_by_side for c in report.candidates)
     assert [c for c in report.candidates if c.throughputs]
@@ -186,14 +188,14 @@ def test_a_candidate_failing_on_one_rank_side_by_side_is_agreed_on_every_rank():
 def _search_where_rank_1_lacks_memory(path: str) -> list:
     from tests.auto.search.test_search import FAST, search_and_train
 
-    saved = engine.RETIME_MARGIN, engine.fits_together
-    engine.RETIME_MARGIN = 1.0  # every runner-up is close
+    saved = closecall.RETIME_MARGIN, closecall.fits_together
+    closecall.RETIME_MARGIN = 1.0  # every runner-up is close
     if dist.get_rank() == 1:  # this rank's device could not hold the copies together
-        engine.fits_together = lambda *args: False
+        closecall.fits_together = lambda *args: False
     try:
         search_and_train(path, steps=1, use_search_cache=False, max_dryruns=3, **FAST)
     finally:
-        engine.RETIME_MARGIN, engine.fits_together = saved
+        closecall.RETIME_MARGIN, closecall.fits_together = saved
     report = SearchReport.load(path)
     return [(c.side_by_side, c.throughputs) for c in report.candidates if c.status == MEASURED]
 

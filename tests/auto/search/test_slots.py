@@ -6,7 +6,7 @@ is, so the slot logic is checked alone, on real dry runs of one process."""
 
 import torch
 
-from atorch.auto.search import engine, stop
+from atorch.auto.search import candidate, stop
 from atorch.auto.search.report import MEASURED, SearchReport
 
 MAX_DRYRUNS = 2
@@ -40,4 +40,4 @@ def test_a_pruned_candidate_gives_its_slot_to_the_next(tmp_path, monkeypatch):
     assert len(pruned) == 1 and pruned[0].reason == "cannot win: pruned by the test"
     # the slot went on: as many dry runs as max_dryruns, the next candidate in order among them
     assert report.dry_run == MAX_DRYRUNS == len(measured)
-    assert sum(c.pruned_by == engine.MAX_DRYRUNS for c in report.candidates) >= 1
+    assert sum(c.pruned_by == candidate.MAX_DRYRUNS for c in report.candidates) >= 1

@@ -4,7 +4,10 @@ best's with medians within TIE_CAP are tied, the tie going to fewer methods amon
 estimated within TIE_ESTIMATE of the fastest estimate, then the faster estimate, so that noisy
 readings give the same pick run after run."""
 
-from atorch.auto.search.engine import TIE_CAP, TIE_ESTIMATE, _pick_winner, _record, _tied
+from atorch.auto.search.dryruns import record as _record
+from atorch.auto.search.pick import TIE_CAP, TIE_ESTIMATE
+from atorch.auto.search.pick import pick_winner as _pick_winner
+from atorch.auto.search.pick import tied_with as _tied
 from atorch.auto.search.report import MEASURED, CandidateResult, SearchReport
 
 BATCH = 16

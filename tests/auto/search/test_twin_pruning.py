@@ -2,7 +2,9 @@
 one of its methods surely fits the budget and that method cannot pay for itself, because it only
 saves memory, or because the cost model says it slows the step (bf16 autocast on a CPU)."""
 
-from atorch.auto.search.engine import MEMORY_ONLY, SLOWER, SLOWER_MARGIN, _prune_twins
+from atorch.auto.search.candidate import MEMORY_ONLY, SLOWER
+from atorch.auto.search.prune import SLOWER_MARGIN
+from atorch.auto.search.prune import prune_twins as _prune_twins
 from atorch.auto.search.report import CandidateResult
 from atorch.auto.strategy import Strategy
 

@@ -167,7 +167,7 @@ def _memory_bandwidth(data: dict, path: Path) -> float:
 
 def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwareProfile:
     """A :class:`HardwareProfile` from a profile's JSON data, checked (``origin`` names it in errors)."""
-    from atorch.auto.search.cost import parse_bytes
+    from atorch.utils.sizes import parse_bytes
 
     path = Path(origin)
     missing = [key for key in _REQUIRED if key not in data]
