@@ -100,68 +100,87 @@ def auto_accelerate(
 ) -> tuple[bool, AutoAccelerateResult | None, Strategy | None]:
     """Apply a strategy to a plain training job and return what the training loop needs.
 
-    Returns ``(status, result, best_strategy)``. ``result`` is an :data:`AutoAccelerateResult`
-    namedtuple ``(model, optim, dataloader, loss_func, prepare_input, lr_scheduler, args)``;
-    ``best_strategy`` is the strategy as applied here (drops and rescaling included), and
-    ``result.notes`` says what changed and why. A method named without the parallel dim it needs
-    (``["parallel_mode", "tensor_parallel"]``) gets the largest size the world and the model
-    allow (logged at WARNING); when none fits, a :class:`~atorch.errors.WorldSizeError` names the fix.
+    Returns ``(status, result, best_strategy)``: ``result`` is an :class:`AutoAccelerateResult`
+    ``(model, optim, dataloader, loss_func, prepare_input, lr_scheduler, args)`` with ``notes``
+    (each change the planner made, and why) and ``last_step``; ``best_strategy`` is the strategy
+    as applied. A method named without the parallel dim it needs gets the largest size the world
+    and the model allow (logged at WARNING), or a :class:`~atorch.errors.WorldSizeError` names the fix.
 
-    - ``optim_func(params, **optim_args)``: an optimizer class or function; ``optim_param_func(model)``
-      returns parameter groups instead of ``model.parameters()``.
-    - ``dataloader_args["batch_size"]`` is the global batch: each data-parallel rank gets its
-      share; ``shuffle`` and ``drop_last`` go to the distributed sampler (``distributed_sampler_cls``).
-    - ``loss_func(input, output)`` returns the loss or a sequence whose first item is the loss.
-    - ``prepare_input(data, device)`` defaults to moving tensors to this rank's device.
-    - ``load_strategy``: a :class:`Strategy`, a list of names and ``(name, config)`` pairs, JSON
-      text (str or bytes), or the path of a JSON/YAML strategy file.
-    - Without ``load_strategy`` the best strategy is searched for (docs/search.md);
-      ``finetune_strategy=True`` re-tunes a loaded strategy's configs;
-      ``ignore_dryrun_on_load_strategy=False`` dry-runs a loaded strategy before applying it.
-    - kwargs: ``verbose`` (print the strategy, and the search's progress and report, on rank 0),
-      ``find_unused_parameters`` (DDP), ``sampler_seed`` (shuffling seed, default 0),
-      ``ignore_dryrun_on_load_strategy``; for the search: ``memory_budget`` (bytes or "70GiB"),
-      ``time_limit`` (seconds), ``report_file``, ``max_dryruns``, ``dryrun_warmup_steps``,
-      ``dryrun_steps``, ``dryrun_timeout``, ``use_search_cache`` (default True: the same model,
-      data, optimizer, world and device reuse the last search's result), ``search_cache_dir``,
-      ``search_only`` (return ``(status, None, strategy)`` without applying it: ``model`` is left
-      as it was, for a trainer that applies the strategy itself later);
-      ``gradient_accumulation_steps`` (default 1): ``result.backward`` / ``result.step`` accumulate
-      that many micro-batches per optimizer step, reducing gradients once (docs/user_guide.md);
-      ``loss_normalization``: ``"tokens"`` (default) weights every part of a split batch (data
-      ranks, micro-batches) by what its loss counts, so each step's gradient is that of the global
-      batch's mean over its label tokens; ``"per_part_mean"`` weights each part as one
-      (docs/loss_normalization.md). ``result.last_step`` is the last optimizer step's
-      :class:`~atorch.loss.StepLoss`: the global batch's loss, tokens and samples.
-
-    Example::
+    - ``optim_func(params, **optim_args)``; ``optim_param_func(model)`` returns parameter groups.
+    - ``dataloader_args["batch_size"]`` is the global batch; each data-parallel rank gets its share.
+    - ``loss_func(input, output)`` returns the loss (or a sequence whose first item is the loss);
+      ``prepare_input(data, device)`` defaults to moving tensors to this rank's device.
+    - ``load_strategy``: a :class:`Strategy`, names and ``(name, config)`` pairs, JSON text or a
+      JSON/YAML file; without it the best strategy is searched for (docs/search.md lists the
+      search's kwargs: ``memory_budget``, ``time_limit``, ``max_dryruns``, ``report_file``, ...).
+      ``finetune_strategy=True`` re-tunes a loaded strategy; ``ignore_dryrun_on_load_strategy=False``
+      dry-runs it first; ``search_only`` returns ``(status, None, strategy)`` and leaves ``model`` as is.
+    - ``gradient_accumulation_steps`` (default 1): ``result.backward``/``result.step`` accumulate
+      that many micro-batches per optimizer step; ``loss_normalization``: ``"tokens"`` (default)
+      weighs every part of a split batch by what its loss counts, ``"per_part_mean"`` each part as
+      one (docs/loss_normalization.md). Also ``verbose``, ``find_unused_parameters``, ``sampler_seed``. Example::
 
         status, result, strategy = atorch.auto_accelerate(
             model, torch.optim.AdamW, dataset, loss_func=lambda batch, out: out.loss,
             optim_args={"lr": 1e-3}, dataloader_args={"batch_size": 8, "shuffle": True},
-            model_input_format="unpack_dict",
-            load_strategy=["parallel_mode", ("amp_native", {"dtype": "bf16"})],
-        )
-        model, optim = result.model, result.optim
+            model_input_format="unpack_dict", load_strategy=["parallel_mode", ("amp_native", {"dtype": "bf16"})])
         for batch in result.dataloader:
             batch = result.prepare_input(batch, atorch.device())
-            loss = result.loss_func(batch, model(**batch))
-            result.backward(loss)   # loss.backward(), or what the strategy needs instead
-            result.step()           # optim.step() and optim.zero_grad(), likewise
+            result.backward(result.loss_func(batch, result.model(**batch)))  # loss.backward(), or what the strategy needs
+            result.step()  # optim.step() and optim.zero_grad(), likewise
     """
+    accumulation = _checked(model, optim_func, dataset, loss_func, prepare_input, model_input_format, optim_args,
+                            optim_param_func, dataloader_args, distributed_sampler_cls, excluded, included,
+                            lr_scheduler_cls, lr_scheduler_args, finetune_strategy, save_strategy_to_file, kwargs)
+    device_ctx = DeviceContext.detect()
+    job = _job(model, optim_func, optim_args, optim_param_func, dataset, loss_func, prepare_input, model_input_format,
+               dataloader_args, distributed_sampler_cls, lr_scheduler_cls, lr_scheduler_args, kwargs)
+
+    def make_context(module: torch.nn.Module) -> ModelContext:
+        return ModelContext(model=module, device_ctx=device_ctx, **job)
+
+    batch_size = job["dataloader_args"].get("batch_size")
+    fit_job = FitJob(model, batch_size if isinstance(batch_size, int) else None, model_input_format)
+    found = _requested(model, device_ctx, make_context, fit_job, load_strategy, finetune_strategy, excluded,
+                       included, optim_func, dataset, loss_func, kwargs)
+    if found is None:
+        return False, None, None
+    requested, loaded_notes, searched = found
+    if searched:
+        excluded = included = None  # already honoured by the search
+    strategy, notes = plan_strategy(requested, device_ctx, excluded, included, job=fit_job)
+    strategy = resolve_strategy(model, strategy, notes)
+    log_notes(notes)
+    if kwargs.get("search_only"):
+        return True, None, strategy
+    result = _applied(make_context(model), strategy, accumulation, bool(kwargs.get("verbose", False)),
+                      save_strategy_to_file)
+    result.notes = tuple(loaded_notes + notes)
+    return True, result, strategy
+
+
+def _checked(model, optim_func, dataset, loss_func, prepare_input, model_input_format, optim_args, optim_param_func,
+             dataloader_args, distributed_sampler_cls, excluded, included, lr_scheduler_cls, lr_scheduler_args,
+             finetune_strategy, save_strategy_to_file, kwargs) -> int:
+    """Every argument checked before anything is built (a clear error naming the fix); returns the
+    micro-batches a step accumulates."""
     unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
     if unknown:
         raise TypeError(f"auto_accelerate got unknown keyword arguments {unknown}; known: {sorted(_KNOWN_KWARGS)}")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    verbose = bool(kwargs.get("verbose", False))
     accumulation = loop.accumulation_steps(kwargs.get("gradient_accumulation_steps", 1))
     check_arguments(model, optim_func, dataset, loss_func, prepare_input, optim_args, optim_param_func, dataloader_args,
                     distributed_sampler_cls, excluded, included, lr_scheduler_cls, lr_scheduler_args,
                     finetune_strategy, save_strategy_to_file, kwargs)
     check_input_format(model_input_format)
-    device_ctx = DeviceContext.detect()
-    job = dict(
+    return accumulation
+
+
+def _job(model, optim_func, optim_args, optim_param_func, dataset, loss_func, prepare_input, model_input_format,
+         dataloader_args, distributed_sampler_cls, lr_scheduler_cls, lr_scheduler_args, kwargs) -> dict:
+    """The training job every context is built from (ModelContext's fields but the model's)."""
+    return dict(
         optim_func=optim_func,
         optim_args=dict(optim_args or {}),
         optim_param_func=optim_param_func,
@@ -177,39 +196,32 @@ def auto_accelerate(
         find_unused_parameters=bool(kwargs.get("find_unused_parameters", False)),
     )
 
-    def make_context(module: torch.nn.Module) -> ModelContext:
-        return ModelContext(model=module, device_ctx=device_ctx, **job)
 
-    batch_size = job["dataloader_args"].get("batch_size")
-    fit_job = FitJob(model, batch_size if isinstance(batch_size, int) else None, model_input_format)
-    loaded_notes: list = []
+def _requested(model, device_ctx, make_context, fit_job, load_strategy, finetune_strategy, excluded, included,
+               optim_func, dataset, loss_func, kwargs) -> tuple[Strategy, list, bool] | None:
+    """The strategy asked for: loaded as given, or searched (around a loaded one when it is to be
+    tuned or dry-run first). ``(strategy, notes of the loaded one, searched)``; None when the
+    search found nothing that runs."""
     dry_run_loaded = not kwargs.get("ignore_dryrun_on_load_strategy", True)
-    if load_strategy is None or finetune_strategy or dry_run_loaded:
-        from atorch.auto.search.run import check_searchable, run_search
+    if not (load_strategy is None or finetune_strategy or dry_run_loaded):
+        return parse_strategy(load_strategy), [], False
+    from atorch.auto.search.run import check_searchable, run_search
 
-        check_searchable(optim_func, dataset, loss_func)
-        base = None
-        if load_strategy is not None:  # its drops and fitted dims are the user's to read, not the search's
-            base, loaded_notes = plan_strategy(parse_strategy(load_strategy), device_ctx, job=fit_job)
-            base = resolve_strategy(model, base, loaded_notes)
-            log_notes(loaded_notes)
-        requested = run_search(model, device_ctx, make_context, apply_strategy, kwargs, excluded, included, base,
-                               only_base=dry_run_loaded and not finetune_strategy and base is not None)
-        if requested is None:
-            return False, None, None
-        excluded = included = None  # already honoured by the search
-    else:
-        requested = parse_strategy(load_strategy)
-    strategy, notes = plan_strategy(requested, device_ctx, excluded, included, job=fit_job)
-    strategy = resolve_strategy(model, strategy, notes)
-    log_notes(notes)
-    notes = loaded_notes + notes
-    if kwargs.get("search_only"):
-        return True, None, strategy
+    check_searchable(optim_func, dataset, loss_func)
+    base, loaded_notes = None, []
+    if load_strategy is not None:  # its drops and fitted dims are the user's to read, not the search's
+        base, loaded_notes = plan_strategy(parse_strategy(load_strategy), device_ctx, job=fit_job)
+        base = resolve_strategy(model, base, loaded_notes)
+        log_notes(loaded_notes)
+    requested = run_search(model, device_ctx, make_context, apply_strategy, kwargs, excluded, included, base,
+                           only_base=dry_run_loaded and not finetune_strategy and base is not None)
+    return None if requested is None else (requested, loaded_notes, True)
 
-    ctx = make_context(model)
+
+def _applied(ctx: ModelContext, strategy: Strategy, accumulation: int, verbose: bool,
+             save_strategy_to_file: str | None) -> AutoAccelerateResult:
+    """``strategy`` applied to the job's context: the result the training loop uses."""
     apply_strategy(ctx, strategy)
-
     if verbose:
         logger.info("applied %s", strategy)
     if save_strategy_to_file is not None and env.rank() == 0:
@@ -218,9 +230,8 @@ def auto_accelerate(
     result = AutoAccelerateResult(
         ctx.model, ctx.optim, ctx.dataloader, ctx.loss_func, ctx.prepare_input, ctx.lr_scheduler, ctx.args
     )
-    result.notes = tuple(notes)
     result.loss_tokens = ctx.loss_tokens
-    return True, result, strategy
+    return result
 
 
 def apply_strategy(ctx: ModelContext, strategy: Strategy, stage_barrier: Callable[[bool], bool] | None = None) -> None:

@@ -57,15 +57,31 @@ def plan_strategy(
     largest size the model allows; without it the size is fitted to the world alone and the
     model is checked when the method is applied.
     """
-    excluded = list(excluded or [])
-    included = list(included or [])
+    strategy, notes = _as_asked(strategy, list(excluded or []), list(included or []))
+    # Conflicts that hold at any world size are refused before anything is dropped for this job
+    # (zero2 + fsdp on one process would otherwise lose both quietly and fail only at scale).
+    check_relations(in_applied_order(strategy))
+    strategy = _without_unrunnable(strategy, device_ctx, notes)
+    if device_ctx.distributed and "parallel_mode" not in strategy:
+        strategy = strategy.with_method("parallel_mode", first=True)
+        notes.append(Note(f"parallel_mode: added (data parallel over {device_ctx.world_size} processes) "
+                          "because none was given"))
+    if "parallel_mode" in strategy:
+        strategy = _laid_out(strategy, device_ctx, job, notes)
+    strategy = _with_dims_checked(strategy, notes)
+    strategy = in_applied_order(strategy)
+    check_relations(strategy)  # in applied order: the same message whatever the list order
+    return strategy, notes
+
+
+def _as_asked(strategy: Strategy, excluded: list[str], included: list[str]) -> tuple[Strategy, list[Note]]:
+    """``included`` methods added (default config), ``excluded`` ones dropped, each with a note."""
     for name in excluded + included:
         get_method(name)  # unknown names are errors, listing the valid ones
     both = sorted(set(excluded) & set(included))
     if both:
         raise StrategyConflictError(f"methods {both} are both excluded and included; pick one")
     notes: list[Note] = []
-
     for name in included:
         if name not in strategy:
             strategy = strategy.with_method(name)
@@ -74,11 +90,12 @@ def plan_strategy(
         if name in strategy:
             strategy = strategy.without(name)
             notes.append(Note(f"{name}: dropped because it is in `excluded`"))  # as the user asked
+    return strategy, notes
 
-    # Conflicts that hold at any world size are refused before anything is dropped for this job
-    # (zero2 + fsdp on one process would otherwise lose both quietly and fail only at scale).
-    check_relations(in_applied_order(strategy))
 
+def _without_unrunnable(strategy: Strategy, device_ctx: DeviceContext, notes: list[Note]) -> Strategy:
+    """Methods this job cannot run dropped, with why: one process, an unsupported device, or a
+    method that another in the strategy takes the place of."""
     for name, config in strategy.items():
         spec = get_method(name)
         reason = None
@@ -93,29 +110,33 @@ def plan_strategy(
         if reason is not None:
             strategy = strategy.without(name)
             notes.append(dropped(name, reason))
+    return strategy
 
-    if device_ctx.distributed and "parallel_mode" not in strategy:
-        strategy = strategy.with_method("parallel_mode", first=True)
-        notes.append(Note(f"parallel_mode: added (data parallel over {device_ctx.world_size} processes) "
-                          "because none was given"))
 
-    if "parallel_mode" in strategy:
-        config = strategy.get("parallel_mode")
-        requested = config.dims or [("data", device_ctx.world_size)]
-        requested, fitted = fit_missing_dims(strategy, requested, device_ctx.world_size,
-                                             device_ctx.local_world_size, job)
-        notes += [Note(note, warning=True) for note in fitted]
-        dims, dim_notes = resolve_dims(requested, device_ctx.world_size, config.rank_order)
-        notes += [Note(f"parallel_mode: {note}") for note in dim_notes]
-        for name, method_config in strategy.items():
-            lay_out = get_method(name).lay_out_dims
-            if lay_out is not None:
-                method_config, dims = lay_out(method_config, device_ctx.world_size, dims)
-                strategy = strategy.replace(name, method_config)
-        if dims != config.dims:
-            strategy = strategy.replace("parallel_mode", {"dims": dims, "rank_order": config.rank_order})
-        _check_dims_used(strategy, dims)
+def _laid_out(strategy: Strategy, device_ctx: DeviceContext, job: FitJob | None, notes: list[Note]) -> Strategy:
+    """parallel_mode's dims fitted to the world (and the model, with ``job``), then laid out by a
+    method that lays out the mesh itself (mixed_parallel); every dim must be used."""
+    config = strategy.get("parallel_mode")
+    requested = config.dims or [("data", device_ctx.world_size)]
+    requested, fitted = fit_missing_dims(strategy, requested, device_ctx.world_size,
+                                         device_ctx.local_world_size, job)
+    notes += [Note(note, warning=True) for note in fitted]
+    dims, dim_notes = resolve_dims(requested, device_ctx.world_size, config.rank_order)
+    notes += [Note(f"parallel_mode: {note}") for note in dim_notes]
+    for name, method_config in strategy.items():
+        lay_out = get_method(name).lay_out_dims
+        if lay_out is not None:
+            method_config, dims = lay_out(method_config, device_ctx.world_size, dims)
+            strategy = strategy.replace(name, method_config)
+    if dims != config.dims:
+        strategy = strategy.replace("parallel_mode", {"dims": dims, "rank_order": config.rank_order})
+    _check_dims_used(strategy, dims)
+    return strategy
 
+
+def _with_dims_checked(strategy: Strategy, notes: list[Note]) -> Strategy:
+    """A method without a dim it needs is refused by name; one that shards over data ranks is
+    dropped when there is one."""
     dims = dict(strategy.get("parallel_mode").dims) if "parallel_mode" in strategy else {}
     dp_size = 1
     for name, size in dims.items():
@@ -134,10 +155,7 @@ def plan_strategy(
         if spec.needs_data_parallel and dp_size == 1:
             strategy = strategy.without(name)
             notes.append(dropped(name, "it shards over data-parallel ranks and there is only one"))
-
-    strategy = in_applied_order(strategy)
-    check_relations(strategy)  # in applied order: the same message whatever the list order
-    return strategy, notes
+    return strategy
 
 
 def in_applied_order(strategy: Strategy) -> Strategy:

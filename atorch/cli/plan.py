@@ -190,7 +190,7 @@ def _candidate_rows(model, args, assumptions, memory) -> list:
 
 def _candidate_row(model, strategy, args, assumptions, probe) -> tuple:
     from atorch.auto.model_states import model_states
-    from atorch.auto.search.engine import estimate_candidate
+    from atorch.auto.search.estimate import estimate_candidate
     from atorch.auto.search.space import method_labels
     from atorch.utils.log import quiet
 

@@ -46,43 +46,18 @@ def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, st
     distinct set of probed methods on one sequence and scaled to each layout's per-data-rank batch.
     """
     from atorch.auto.environment import DeviceContext
-    from atorch.auto.search import cost
-    from atorch.auto.search.attention import FlashAttentionProbe
-    from atorch.auto.search.engine import layout_dims
-    from atorch.auto.search.space import candidate_space, layout_space, layout_text, method_labels
+    from atorch.auto.search.estimate import layout_dims
+    from atorch.auto.search.space import candidate_space, layout_space
     from atorch.auto.strategy import Strategy
     from atorch.distributed.topology import data_parallel_size
-    from atorch.utils.log import quiet
 
     memory = profile.memory if memory is None else memory
     local = min(world, profile.gpus_per_node)
     device_ctx = DeviceContext(world, local, torch.device("cuda"), (9, 0), memory)
     # Module rewrites run as on the CPU; the probe's tensors stay on meta (see atorch/cli/plan.py).
-    probe_ctx = DeviceContext(world, local, torch.device("cpu"), None, memory)
-    batch = {"input_ids": torch.zeros(1, seq_len, dtype=torch.long, device="meta")}
-    batch["labels"] = batch["input_ids"]
-    attention = FlashAttentionProbe if profile.attention == "flash" else nullcontext
-    probes: dict = {}  # cost._probe's memo: one probe per distinct set of applied methods
-
-    def probe_one(strategy) -> tuple[int, list]:
-        counted: list = []
-        before = len(probes)
-        with attention(), quiet():
-            saved = cost.activation_bytes(model, strategy, batch, "unpack_dict", None, probe_ctx, counted, memo=probes)
-        if len(probes) > before:
-            _progress(f"  probed activations of one sequence under: {', '.join(strategy.opt_names) or 'no method'}")
-        return saved, counted
-
-    def probe_for(accumulation: int):
-        def probe(strategy, counts: list, dims: dict) -> tuple[int, int]:
-            per_rank = global_batch // data_parallel_size(dims)
-            saved, counted = probe_one(strategy)
-            # the step's sequences; StepCost repeats the per-step counts once per micro-batch
-            counts.extend(cost.scaled_counts(counted, per_rank))
-            return saved * (per_rank // accumulation), per_rank * seq_len  # one micro-batch's activations
-        return probe
-
-    _, (forward, *_) = probe_one(Strategy())
+    probe = _MetaProbe(model, seq_len, global_batch, DeviceContext(world, local, torch.device("cpu"), None, memory),
+                       profile.attention == "flash")
+    _, (forward, *_) = probe.one(Strategy())
     flops_per_token = 3 * forward / seq_len  # forward + backward, no recomputation: model FLOPs
     counts: Counter = Counter()
     layouts, ineligible = layout_space(model, device_ctx, global_batch, "unpack_dict", list(excluded))
@@ -90,52 +65,104 @@ def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, st
     # Accumulation comes from the memory retries below (the fewest micro-batches that fit), not
     # from the space's gradient_accumulation combinations, which would cost the same thing twice.
     candidates = candidate_space(device_ctx, [*excluded, "gradient_accumulation"], None, None, layouts, counts)
-    rows = []
-    def row_of(strategy, dims: dict, dp: int) -> dict:
-        config = _layout_config(strategy) or {}
-        return {"strategy": strategy, "layout": layout_text(dims.items(), config),
-                "names": [n for n in method_labels(strategy.items()) if n != "parallel_mode"],
-                "dims": {"data": dp, "tensor": dims.get("tensor", 1), "pipeline": dims.get("pipeline", 1),
-                         "microbatches": config.get("num_microbatches", 1),
-                         "virtual_stages": config.get("virtual_pipeline_size") or 1, "accumulation": 1},
-                "per_rank_batch": global_batch // dp}
 
+    def costed(row: dict, tried, dims: dict, steps: int) -> dict:
+        return _costed(row, model, tried, dims, steps, state_factor, probe.for_accumulation(steps), profile,
+                       global_batch, seq_len, flops_per_token, world, memory)
+
+    rows: list = []
     fitted: dict = {}  # (strategy, accumulation) costed -> (fits or has no estimate, estimated seconds)
     for index, strategy in enumerate(candidates, 1):
         dims = layout_dims(strategy, world)
         dp = data_parallel_size(dims)
         if global_batch % dp:
-            row = row_of(strategy, dims, dp)
+            row = _row_of(strategy, dims, dp, global_batch)
             row["reason"] = f"the global batch {global_batch} does not divide over {dp} data-parallel ranks"
             rows.append(row)
             continue
         if index % 50 == 0:
             _progress(f"  [{index}/{len(candidates)}] costed")
-        retries = memory_retries(strategy, global_batch // dp)
-        pipelined = any(steps == 1 and tried != strategy for tried, steps in retries)
-        faster = None  # a pipeline that fits tries more microbatches while its step gets faster (the bubble)
-        for tried, steps in retries:
-            key = (repr(tried), steps)  # a pipeline's retry with 2p microbatches is also a layout of its own
-            if key not in fitted:
-                row = row_of(tried, dims, dp)
-                accumulated = [f"gradient_accumulation x{steps}"] if steps > 1 else []  # the method that applies it
-                costed = _costed(dict(row, dims=dict(row["dims"], accumulation=steps), names=row["names"] + accumulated),
-                                 model, tried, dims, steps,
-                                 state_factor, probe_for(steps), profile, global_batch, seq_len, flops_per_token,
-                                 world, memory)
-                rows.append(costed)
-                fitted[key] = (costed.get("fits") is not False, costed.get("seconds"))
-            fits, seconds = fitted[key]
-            if fits and (not pipelined or seconds is None or (faster is not None and seconds >= faster)):
-                break  # fits, or no estimate: no more micro-batches to try
-            if fits:
-                faster = seconds
+        _cost_retries(strategy, dims, dp, global_batch, costed, fitted, rows)
     counts["costed"] = sum(1 for r in rows if "memory" in r)
     counts["over memory"] = sum(1 for r in rows if "memory" in r and not r["fits"])
     counts["no estimate"] = sum(1 for r in rows if "reason" in r)
     counts["fit"] = sum(1 for r in rows if r.get("fits"))
     return {"rows": rows, "counts": counts, "flops_per_token": flops_per_token, "memory": memory,
             "ineligible": [(layout.text, why) for layout, why in ineligible]}
+
+
+class _MetaProbe:
+    """Activations of one sequence on meta tensors, probed once per distinct set of applied
+    methods (cost._probe's memo) and scaled to a layout's per-data-rank batch."""
+
+    def __init__(self, model, seq_len: int, global_batch: int, probe_ctx, flash: bool):
+        from atorch.auto.search.attention import FlashAttentionProbe
+
+        self.model, self.seq_len, self.global_batch, self.probe_ctx = model, seq_len, global_batch, probe_ctx
+        self.attention = FlashAttentionProbe if flash else nullcontext
+        self.batch = {"input_ids": torch.zeros(1, seq_len, dtype=torch.long, device="meta")}
+        self.batch["labels"] = self.batch["input_ids"]
+        self.memo: dict = {}
+
+    def one(self, strategy) -> tuple[int, list]:
+        from atorch.auto.search import cost
+        from atorch.utils.log import quiet
+
+        counted: list = []
+        before = len(self.memo)
+        with self.attention(), quiet():
+            saved = cost.activation_bytes(self.model, strategy, self.batch, "unpack_dict", None, self.probe_ctx,
+                                          counted, memo=self.memo)
+        if len(self.memo) > before:
+            _progress(f"  probed activations of one sequence under: {', '.join(strategy.opt_names) or 'no method'}")
+        return saved, counted
+
+    def for_accumulation(self, accumulation: int):
+        """``cost_candidate``'s probe for a step of ``accumulation`` micro-batches."""
+        from atorch.auto.search import cost
+        from atorch.distributed.topology import data_parallel_size
+
+        def probe(strategy, counts: list, dims: dict) -> tuple[int, int]:
+            per_rank = self.global_batch // data_parallel_size(dims)
+            saved, counted = self.one(strategy)
+            # the step's sequences; StepCost repeats the per-step counts once per micro-batch
+            counts.extend(cost.scaled_counts(counted, per_rank))
+            return saved * (per_rank // accumulation), per_rank * self.seq_len  # one micro-batch's activations
+        return probe
+
+
+def _row_of(strategy, dims: dict, dp: int, global_batch: int) -> dict:
+    from atorch.auto.search.space import layout_text, method_labels
+
+    config = _layout_config(strategy) or {}
+    return {"strategy": strategy, "layout": layout_text(dims.items(), config),
+            "names": [n for n in method_labels(strategy.items()) if n != "parallel_mode"],
+            "dims": {"data": dp, "tensor": dims.get("tensor", 1), "pipeline": dims.get("pipeline", 1),
+                     "microbatches": config.get("num_microbatches", 1),
+                     "virtual_stages": config.get("virtual_pipeline_size") or 1, "accumulation": 1},
+            "per_rank_batch": global_batch // dp}
+
+
+def _cost_retries(strategy, dims: dict, dp: int, global_batch: int, costed, fitted: dict, rows: list) -> None:
+    """``strategy`` costed with the fewest micro-batches that fit (memory_retries), each retry a
+    row; a pipeline that fits tries more microbatches while its step gets faster (the bubble)."""
+    retries = memory_retries(strategy, global_batch // dp)
+    pipelined = any(steps == 1 and tried != strategy for tried, steps in retries)
+    faster = None
+    for tried, steps in retries:
+        key = (repr(tried), steps)  # a pipeline's retry with 2p microbatches is also a layout of its own
+        if key not in fitted:
+            row = _row_of(tried, dims, dp, global_batch)
+            accumulated = [f"gradient_accumulation x{steps}"] if steps > 1 else []  # the method that applies it
+            row = costed(dict(row, dims=dict(row["dims"], accumulation=steps), names=row["names"] + accumulated),
+                         tried, dims, steps)
+            rows.append(row)
+            fitted[key] = (row.get("fits") is not False, row.get("seconds"))
+        fits, seconds = fitted[key]
+        if fits and (not pipelined or seconds is None or (faster is not None and seconds >= faster)):
+            break  # fits, or no estimate: no more micro-batches to try
+        if fits:
+            faster = seconds
 
 
 def accumulation_choices(strategy, per_rank: int) -> list[int]:
@@ -180,7 +207,7 @@ def memory_retries(strategy, per_rank: int) -> list:
 def _costed(row: dict, model, strategy, dims, steps, state_factor, probe, profile, global_batch, seq_len,
             flops_per_token, world, memory) -> dict:
     """``row`` with the candidate's estimate at ``steps`` accumulation steps (or why it has none)."""
-    from atorch.auto.search.engine import cost_candidate
+    from atorch.auto.search.estimate import cost_candidate
     from atorch.utils.log import quiet
 
     if steps > 1:

@@ -125,6 +125,11 @@ class PipelineModel(nn.Module):
             _mark_shards(self.local_parameters(), self.topology)
             self.stages, self._schedule = [], None
             return
+        self._build_stages(module, stage_transform)
+
+    def _build_stages(self, module: nn.Module, stage_transform: Callable[[nn.Module], None] | None) -> None:
+        """This rank's stages from the layout (through ``stage_transform``, written back into
+        ``module``), and their schedule."""
         stages = []
         for index in self.local_stage_ids:
             stage_module = self.layout.stage_module(self.stage_units[index], index == 0, index == self.num_stages - 1)
@@ -140,7 +145,7 @@ class PipelineModel(nn.Module):
         if self.deallocate_pipeline_outputs:
             for stage in stages:
                 deallocate_after_send(stage)
-        self._schedule = build_schedule(self.schedule_name, stages, num_microbatches, self._microbatch_loss)
+        self._schedule = build_schedule(self.schedule_name, stages, self.num_microbatches, self._microbatch_loss)
 
     def _traced_schedule(self, microbatch: dict):
         """The stages and schedule for this microbatch's input shapes (traced once per shape)."""

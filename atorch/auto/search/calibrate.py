@@ -121,10 +121,41 @@ def measure(device: torch.device) -> dict:
     when = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
     how = (f"measured by atorch calibrate ({when}, {world} x "
            f"{device_name(device)}, torch {torch.__version__}, {seconds:.1f}s)")
+    sources = _sources(device, how, world, local, inside)
+    data = from_rank0({
+        "name": f"calibrated-{device_name(device)}-world{world}",
+        "description": f"{world} x {device_name(device)} on {platform.node()}, {local} per node",
+        "matmul_flops": matmul,
+        "sustained_fraction": 1.0,
+        "memory": _memory(device, local),
+        "gpus_per_node": local,
+        "intra_node": intra,
+        "inter_node": inter,
+        "collectives": {k: v for k, v in collectives.items() if v},
+        "op_seconds": op_seconds,
+        "checkpoint_save_seconds": checkpoint_save_seconds,
+        "wrapped_call_seconds": wrapped_call_seconds,
+        "attention_flops": attention,
+        **bandwidth,
+        **({"ranks_per_core": _ranks_per_core(setting)} if device.type == "cpu" else {}),
+        "attention": "flash" if device.type == "cuda" else "math",
+        "calibration": {"device": device_name(device), "world_size": world, **setting, "when": when,
+                        "seconds": seconds, "torch": torch.__version__, **cpu_rates},
+        "sources": sources,
+    })
+    # then the methods' host overheads, against estimates at the rates just measured
+    data["method_seconds"], method_how = measure_method_seconds(data)
+    data["sources"]["method_seconds"] = f"{how}: {method_how}"
+    data["calibration"]["seconds"] = time.perf_counter() - began
+    return data
+
+
+def _sources(device: torch.device, how: str, world: int, local: int, inside: int | None) -> dict:
+    """Where each calibrated rate comes from, as the profile's ``sources`` say it."""
     bf16 = (f"; bf16 at most the fp32 rate x how much faster forward + backward of 2 MLP blocks "
             f"({AMP_BLOCK[0]} tokens x {AMP_BLOCK[1]}) runs under bf16 autocast than in fp32"
             if device.type == "cpu" else "")
-    sources = {"matmul_flops": f"{how}: square matmuls of side {MATMUL_SIDE.get(device.type, 512)} (halved while "
+    return {"matmul_flops": f"{how}: square matmuls of side {MATMUL_SIDE.get(device.type, 512)} (halved while "
                                f"one takes over {MATMUL_SECONDS}s), median of {REPEATS}, the slowest rank's{bf16}",
                "sustained_fraction": "1: the matmul rates are measured, already sustained",
                "attention_flops": f"{how}: forward + backward of causal scaled_dot_product_attention on "
@@ -156,32 +187,6 @@ def measure(device: torch.device) -> dict:
                               f"{MESSAGE_BYTES.get(device.type, MESSAGE_BYTES['cpu'])} bytes (the small {SMALL_BATCH} at a time), median "
                               f"of {REPEATS}, "
                               "the slowest rank's; bytes as the cost model counts them per rank"}
-    data = from_rank0({
-        "name": f"calibrated-{device_name(device)}-world{world}",
-        "description": f"{world} x {device_name(device)} on {platform.node()}, {local} per node",
-        "matmul_flops": matmul,
-        "sustained_fraction": 1.0,
-        "memory": _memory(device, local),
-        "gpus_per_node": local,
-        "intra_node": intra,
-        "inter_node": inter,
-        "collectives": {k: v for k, v in collectives.items() if v},
-        "op_seconds": op_seconds,
-        "checkpoint_save_seconds": checkpoint_save_seconds,
-        "wrapped_call_seconds": wrapped_call_seconds,
-        "attention_flops": attention,
-        **bandwidth,
-        **({"ranks_per_core": _ranks_per_core(setting)} if device.type == "cpu" else {}),
-        "attention": "flash" if device.type == "cuda" else "math",
-        "calibration": {"device": device_name(device), "world_size": world, **setting, "when": when,
-                        "seconds": seconds, "torch": torch.__version__, **cpu_rates},
-        "sources": sources,
-    })
-    # then the methods' host overheads, against estimates at the rates just measured
-    data["method_seconds"], method_how = measure_method_seconds(data)
-    data["sources"]["method_seconds"] = f"{how}: {method_how}"
-    data["calibration"]["seconds"] = time.perf_counter() - began
-    return data
 
 
 def _ranks_per_core(setting: dict) -> float:

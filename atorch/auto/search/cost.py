@@ -259,21 +259,14 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
     spans of the units the methods name (``probe_units``) are appended to ``counts`` when given."""
     from atorch.auto.context import ModelContext, move_to_device
     from atorch.auto.search import ops
-    from atorch.auto.search.timeline import StepTimeline, envelope
+    from atorch.auto.search.timeline import StepTimeline
     from atorch.methods.checkpoint import CheckpointedForward
 
     probe = copy.deepcopy(model)
     op_counter = ops.OpCounter()
     try:
         ctx = ModelContext(model=probe, device_ctx=device_ctx, loss_func=loss_func, prepare_input=move_to_device)
-        absorbed = absorbed_methods(strategy)
-        for name, config in strategy.items():
-            spec = get_method(name)
-            if name in absorbed and spec.absorbed_probe is not None and any(s in stages for s in spec.hooks):
-                spec.absorbed_probe(ctx, config)
-            for stage, hook in spec.hooks.items():
-                if stage in stages and spec.probed and not (name in absorbed and stage in spec.skipped_when_absorbed):
-                    hook(ctx, config)
+        _apply_probed(ctx, strategy, stages)
         checkpointed = sum(isinstance(m.__dict__.get("forward"), CheckpointedForward) for m in probe.modules())
         # the weights as the rewrites left them: what autograd saves of them is not an activation
         counter = _SavedBytes(itertools.chain(ctx.model.parameters(), ctx.model.buffers()))
@@ -311,29 +304,53 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
             handle.remove()
         profile, spans = (0, ()), ()
         if loss is not None and forward_end:
-            grads = [p.grad for p in probe.parameters() if p.grad is not None]
-            moments = timeline.moments(grads)
-            forward = [m for m in moments if m[3] < forward_end]
-            reference = max((m[0] for m in forward), default=0)
-            copies = max((m[2] for m in forward), default=0)
-            grad_bytes = sum(g.untyped_storage().nbytes() for g in grads)
-            profile = (reference, envelope([m[:3] for m in moments], grad_bytes, copies, reference))
-            spans = timeline.unit_spans(grads, forward_end, reference, output_bytes)
+            profile, spans = _step_profile(timeline, probe, forward_end, output_bytes)
         del loss
     finally:  # a probe that raised is given back too
         free_copy(probe)
     if counts is not None:
         counts.extend([op_counter.flops, op_counter.count, profile, counter.packed, spans,
                        op_counter.attention_flops, op_counter.traffic])
-    saved = counter.by_dtype
-    if on_meta:
-        # Meta tensors show what a method does to shapes, not to dtypes (autocast does nothing on
-        # them): each method the probe applied that has an activation term adds it here.
-        for name, config in strategy.items():
-            spec = get_method(name)
-            if spec.activation_term is not None and any(stage in stages for stage in spec.hooks):
-                saved = spec.activation_term(config, saved)
+    saved = _with_activation_terms(strategy, stages, counter.by_dtype) if on_meta else counter.by_dtype
     return sum(saved.values()), checkpointed
+
+
+def _apply_probed(ctx, strategy: Strategy, stages) -> None:
+    """The probed methods' hooks of ``stages`` run on the probe's copy (an absorbed method's by
+    its ``absorbed_probe``)."""
+    absorbed = absorbed_methods(strategy)
+    for name, config in strategy.items():
+        spec = get_method(name)
+        if name in absorbed and spec.absorbed_probe is not None and any(s in stages for s in spec.hooks):
+            spec.absorbed_probe(ctx, config)
+        for stage, hook in spec.hooks.items():
+            if stage in stages and spec.probed and not (name in absorbed and stage in spec.skipped_when_absorbed):
+                hook(ctx, config)
+
+
+def _step_profile(timeline, probe: torch.nn.Module, forward_end: int, output_bytes: int) -> tuple:
+    """The step's activation profile (at the end of forward, and its envelope over backward) and
+    the units' spans, from the probe's timeline once backward has run."""
+    from atorch.auto.search.timeline import envelope
+
+    grads = [p.grad for p in probe.parameters() if p.grad is not None]
+    moments = timeline.moments(grads)
+    forward = [m for m in moments if m[3] < forward_end]
+    reference = max((m[0] for m in forward), default=0)
+    copies = max((m[2] for m in forward), default=0)
+    grad_bytes = sum(g.untyped_storage().nbytes() for g in grads)
+    profile = (reference, envelope([m[:3] for m in moments], grad_bytes, copies, reference))
+    return profile, timeline.unit_spans(grads, forward_end, reference, output_bytes)
+
+
+def _with_activation_terms(strategy: Strategy, stages, saved: dict) -> dict:
+    """Meta tensors show what a method does to shapes, not to dtypes (autocast does nothing on
+    them): each method the probe applied that has an activation term adds it here."""
+    for name, config in strategy.items():
+        spec = get_method(name)
+        if spec.activation_term is not None and any(stage in stages for stage in spec.hooks):
+            saved = spec.activation_term(config, saved)
+    return saved
 
 
 def _probe_units(model: torch.nn.Module) -> list[str]:

@@ -28,3 +28,26 @@ def test_a_changed_decision_shows():
     first = next(c for c in changed["report"]["candidates"] if c["estimated_step_seconds"])
     first["estimated_step_seconds"] *= 1 + 1e-15
     assert len(differences(recorded, changed)) == 2
+
+
+def test_the_model_goes_from_stage_to_stage(tmp_path):
+    """The model handed to auto_accelerate, followed through the search of the README example
+    (tests/helpers/model_path.py: each function that receives it, once), comes back to a file it
+    had left at most 20 times (13 at the redesign; the stages call the methods' own files, which
+    call the shared module helpers)."""
+    import torch
+
+    from atorch import auto_accelerate
+    from atorch.utils.log import quiet
+    from tests.auto.search.replay import _job, recorded
+    from tests.helpers.model_path import ModelPath
+
+    scenario = SCENARIOS["readme"]
+    torch.manual_seed(0)
+    model, dataset, loss_func, input_format, batch = _job(scenario)
+    with recorded(scenario), quiet(), ModelPath(model) as path:
+        auto_accelerate(model, torch.optim.AdamW, dataset, loss_func, optim_args={"lr": 1e-3},
+                        dataloader_args={"batch_size": batch}, model_input_format=input_format,
+                        use_search_cache=False, search_only=True)
+    assert "auto/search/estimate.py" in path.stays()  # the path was followed into the stages
+    assert path.returns() <= 20, " -> ".join(path.stays())
