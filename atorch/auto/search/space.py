@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from atorch.auto.environment import DeviceContext
-from atorch.auto.plan import plan_strategy
+from atorch.auto.plan import any_conflict, plan_strategy
 from atorch.auto.registry import LayoutJob, all_methods, get_method
 from atorch.auto.strategy import Strategy, make_config
 from atorch.distributed.topology import DATA_PARALLEL_DIMS
@@ -128,13 +128,12 @@ def candidate_space(
                 choices.append((spec.name, [None, *spec.search_space]))
         layouts = layouts or [Layout(())]
     seen: list[Strategy] = []
-    conflicts = _Conflicts()
     for layout in layouts:
         for combo in itertools.product(*(options for _, options in choices)):
             counts["generated"] += 1
             methods = layout.strategy().items()
             methods += [(name, config) for (name, _), config in zip(choices, combo) if config is not None]
-            if conflicts.any(methods):  # what plan_strategy would refuse, without building a Strategy
+            if any_conflict(methods):  # what plan_strategy would refuse, without building a Strategy
                 counts["conflicting"] += 1
                 continue
             if _refused_on(_dims_of(layout, device_ctx.world_size), methods, model, global_batch):
@@ -154,26 +153,6 @@ def candidate_space(
                 continue
             seen.append(planned)
     return sorted(seen, key=len)
-
-
-class _Conflicts:
-    """The registry's declared conflicts between a combination's methods, with each config
-    validated once: most combinations the search generates are such pairs (1824 of 2304 on a
-    small transformer over 2 ranks), and building a Strategy to let planning refuse them took
-    most of the search's set-up time."""
-
-    def __init__(self):
-        self._related: dict[tuple[str, str], set[str]] = {}
-
-    def _of(self, name: str, config) -> set[str]:
-        key = (name, config.model_dump_json() if hasattr(config, "model_dump_json") else repr(config))
-        if key not in self._related:
-            self._related[key] = set(get_method(name).related("conflicts", make_config(name, config)))
-        return self._related[key]
-
-    def any(self, methods: list) -> bool:
-        names = {name for name, _ in methods}
-        return any(self._of(name, config) & names for name, config in methods)
 
 
 def _dims_of(layout, world: int) -> dict[str, int]:
