@@ -21,6 +21,7 @@ from atorch.auto.environment import DeviceContext
 from atorch.auto.plan import plan_strategy
 from atorch.auto.strategy import parse_strategy
 from atorch.errors import AtorchConfigError
+from tests.helpers.models import serial_steps
 
 HAS = {name: importlib.util.find_spec(name) is not None for name in ("deepspeed", "fairscale", "transformers")}
 
@@ -147,15 +148,7 @@ def serial_losses(kind: str, genomic: bool = False, lr: float = LR) -> list[floa
     if kind == "half":
         model = model.to(torch.bfloat16)
     optim = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for batch in batches():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "bf16"):
-            loss = model(**batch).loss
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return serial_steps(model, optim, batches(), torch.bfloat16 if kind == "bf16" else None)
 
 
 # --------------------------------------------------------------------------- runs on the ranks

@@ -79,6 +79,21 @@ def optimizer_state_numel(optim) -> int:
     return local_numel(v for state in inner.state.values() for v in state.values() if torch.is_tensor(v) and v.ndim > 0)
 
 
+def serial_steps(model, optim, batches, autocast_dtype: torch.dtype | None = None) -> list[float]:
+    """The reference every distributed run is held to: plain PyTorch, one optimizer step per
+    batch (``model(**batch).loss``, backward, step, zero_grad), under CPU autocast when
+    ``autocast_dtype`` is given; each step's loss."""
+    losses = []
+    for batch in batches:
+        with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+            loss = model(**batch).loss
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def result_steps(result, steps: int) -> list[float]:
     """The loop through ``result.backward`` and ``result.step`` (a pipeline's model runs its
     schedule in the forward and needs them): this rank's loss of each step."""

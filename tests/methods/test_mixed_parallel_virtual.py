@@ -13,6 +13,7 @@ import torch
 from atorch.auto.environment import DeviceContext
 from tests.helpers.compare import FP32_RTOL, assert_losses_close
 from tests.helpers.dist import run_distributed
+from tests.helpers.models import serial_steps
 
 pytest.importorskip("transformers")
 
@@ -47,15 +48,8 @@ def _serial_losses() -> list[float]:
 
     model, data = _llama(), CountingTokens()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(STEPS):
-        ids = torch.stack([data[i]["input_ids"] for i in range(step * BATCH, (step + 1) * BATCH)])
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-    return losses
+    steps = (torch.stack([data[i]["input_ids"] for i in range(step * BATCH, (step + 1) * BATCH)]) for step in range(STEPS))
+    return serial_steps(model, optim, ({"input_ids": ids, "labels": ids} for ids in steps))
 
 
 def _train(load_strategy) -> dict:

@@ -202,15 +202,9 @@ def token_batches(steps: int = STEPS, masked: bool = False):
 
 
 def hf_serial_losses(model, steps: int = STEPS, masked: bool = False, lr: float = LR) -> list[float]:
-    optim = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
-    for batch in token_batches(steps, masked):
-        loss = model(**batch).loss
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-    return losses
+    from tests.helpers.models import serial_steps
+
+    return serial_steps(model, torch.optim.SGD(model.parameters(), lr=lr), token_batches(steps, masked))
 
 
 def hf_pipeline_losses(model, steps: int = STEPS, masked: bool = False) -> list[float]:

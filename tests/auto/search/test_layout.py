@@ -18,6 +18,7 @@ from atorch.auto.search.space import candidate_space, layout_space
 from atorch.auto.strategy import Strategy
 from tests.helpers.compare import FP32_RTOL, assert_losses_close, assert_sensitive
 from tests.helpers.dist import run_distributed
+from tests.helpers.models import serial_steps
 
 pytest.importorskip("transformers")
 
@@ -195,14 +196,7 @@ def _serial_losses(lr: float, steps: int = 5) -> list[float]:
     model = _llama()
     optim = torch.optim.AdamW(model.parameters(), lr=lr)
     loader = torch.utils.data.DataLoader(Tokens(), batch_size=BATCH)
-    losses = []
-    for _, batch in zip(range(steps), loader):
-        loss = model(**batch).loss
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return serial_steps(model, optim, (batch for _, batch in zip(range(steps), loader)))
 
 
 def test_only_a_tensor_parallel_layout_fits_the_budget_and_it_trains_like_the_serial_model(tmp_path):
