@@ -128,6 +128,11 @@ class MethodSpec:
     # candidate's ``atorch.auto.search.cost.StepCost`` (the terms run in applied order, so a
     # sharding method divides what the layout methods before it left on the rank).
     cost_term: Callable[[MethodConfig, Any], None] | None = None
+    # The rates the time term hinges on, against the same strategy without this method: "half"
+    # (bf16's speedup over fp32), "collectives". Without a calibration only some are measured
+    # (speedup.py: "half"); the search does not prune the method as slower on a rate it never
+    # measured: its candidates are dry-run instead (prune.py).
+    decided_by: tuple[str, ...] = ()
     # False: the cost model's activation probe does not run this method's hooks on its copy of
     # the model (they need the process mesh or a GPU); its ``cost_term`` says what it changes.
     # A probed hook must not call a collective: the ranks share a search's probes out, each

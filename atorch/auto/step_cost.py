@@ -136,6 +136,9 @@ class StepCost:
     stage_share: float = 1.0  # share of the parameters on a rank's pipeline stages
     # time
     compute_dtype: str = "fp32"  # "fp32" or "half": which matmul rate applies
+    # bf16 step rate / fp32 step rate measured on this machine (speedup.py), used with the nominal
+    # rates only (a profile has its own); None: the nominal half rate
+    half_speedup: float | None = None
     passes: float = 3.0  # forward + backward in forwards' FLOPs (checkpointing adds one)
     # operators run again in backward beyond ``passes``, as a share of the forward's, without their
     # FLOPs: selective checkpointing recomputes the element-wise ones, not the matmuls
@@ -288,7 +291,7 @@ class StepCost:
         (``sync_overlap``), the profile's ``overlap`` share hides behind the compute of its passes,
         up to that compute; nominal rates hide none."""
         if self.profile is None:
-            rate = attention_rate = _FLOPS.get(self.device_type, _FLOPS["cpu"])[self.compute_dtype]
+            rate = attention_rate = self.nominal_rate()
         else:
             rate, attention_rate = self.profile.rate(self.compute_dtype), self.profile.attention_rate(self.compute_dtype)
         attention = min(self.attention_flops, self.forward_flops)
@@ -338,6 +341,14 @@ class StepCost:
                 comm += c.elements * element * c.factor / bandwidth + c.messages * self.accumulation * latency
         return compute * self.bubble_factor() + comm + self.stepped * self.optim_seconds_per_byte + (0.0 if on_device
                                                                                                  else host)
+
+    def nominal_rate(self) -> float:
+        """FLOP/s of the compute dtype without a profile: the nominal rate, or under ``half`` the
+        nominal fp32 rate x the bf16 speedup measured on this machine, where it was (speedup.py)."""
+        rates = _FLOPS.get(self.device_type, _FLOPS["cpu"])
+        if self.compute_dtype == "half" and self.half_speedup is not None:
+            return rates["fp32"] * self.half_speedup
+        return rates[self.compute_dtype]
 
     def traffic_seconds(self) -> float:
         """Seconds the operators without FLOPs take at the profile's ``memory_bandwidth`` (0 without

@@ -116,5 +116,6 @@ register_method(
         search_space=({"dtype": "bfloat16"},),
         activation_term=saved_in_autocast_dtype,
         cost_term=cost_term,
+        decided_by=("half",),
     )
 )

@@ -60,5 +60,6 @@ register_method(
         description="model, inputs and optimizer state in fp16 or bf16",
         unsupported=_unsupported,
         cost_term=cost_term,
+        decided_by=("half",),
     )
 )

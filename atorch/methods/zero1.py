@@ -127,5 +127,6 @@ register_method(
         search_space=({},),
         saves_memory=True,
         cost_term=cost_term,
+        decided_by=("collectives",),
     )
 )

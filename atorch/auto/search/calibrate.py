@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 import torch
 import torch.distributed as dist
 
-from atorch.auto.search.agree import from_rank0, max_each
+from atorch.auto.search.agree import from_rank0
 from atorch.auto.search.calibration_file import (  # noqa: F401 - reading the cache: its old home
     _setting,
     cache_path,
@@ -36,6 +36,7 @@ from atorch.auto.search.calibration_file import (  # noqa: F401 - reading the ca
     device_name,
     read_cached,
 )
+from atorch.auto.search.compute_rates import AMP_BLOCK, MATMUL_SECONDS, MATMUL_SIDE, _autocast_speedup, _matmul_rate  # noqa: F401 - their old home
 from atorch.auto.search.overheads import measure_method_seconds
 from atorch.auto.search.profiles import HardwareProfile, profile_from_data
 from atorch.auto.search.timing import REPEATS, _sync, median_seconds  # noqa: F401
@@ -47,12 +48,6 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 SMALL_BATCH = 10
 # Payload bytes per message of the two-point fit: one small (latency), one large (bandwidth).
 MESSAGE_BYTES = {"cpu": (16 * 2**10, 4 * 2**20), "cuda": (64 * 2**10, 64 * 2**20)}
-# Side of the square matmuls timed per dtype.
-MATMUL_SIDE = {"cpu": 512, "cuda": 8192}
-MATMUL_SECONDS = 0.05
-# Tokens x hidden of the two MLP blocks whose step, in fp32 and under bf16 autocast, sets a CPU's
-# bf16 rate: the fp32 matmul rate x how much faster that step runs under autocast.
-AMP_BLOCK = (256, 256)
 # Batch, heads, sequence and head size of the causal attention timed per dtype: a GPU's at a
 # training size (at the CPU's, an H200 would time the kernels' launches, not their work).
 ATTENTION_SHAPE = {"cpu": (4, 4, 128, 32), "cuda": (4, 16, 2048, 128)}
@@ -203,25 +198,6 @@ def _memory(device: torch.device, local: int) -> int:
     return _host_memory() // max(local, 1)
 
 
-def _matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of a square matmul in ``dtype``, all ranks computing at once (as they train). The
-    side is halved (down to 128) while one matmul takes over MATMUL_SECONDS (bf16 on a CPU
-    without bf16 instructions runs ~10x slower than fp32), so calibration stays short."""
-    side = MATMUL_SIDE.get(device.type, 512)
-    while True:
-        a = torch.randn(side, side, device=device, dtype=dtype)
-        b = torch.randn(side, side, device=device, dtype=dtype)
-        _sync(device)
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        _sync(device)
-        slow = max_each(time.perf_counter() - start)[0] > MATMUL_SECONDS
-        if not slow or side <= 128:
-            break
-        side //= 2
-    return 2 * side**3 / median_seconds(device, lambda: torch.matmul(a, b))
-
-
 def _attention_rate(device: torch.device, dtype: torch.dtype) -> float:
     """FLOP/s of causal attention's forward + backward in ``dtype``, counted as the cost model
     counts a step's: 3 x the forward's FLOPs (ops.OpCounter's) over the time."""
@@ -249,28 +225,6 @@ def _memory_bandwidth(device: torch.device) -> float:
     target = torch.empty_like(source)
     seconds = median_seconds(device, lambda: target.copy_(source))
     return 2 * COPY_BYTES / seconds
-
-
-def _autocast_speedup(device: torch.device) -> float:
-    """fp32 step time / bf16-autocast step time of forward + backward through 2 MLP blocks
-    (Linear to 4x, GELU, Linear back, LayerNorm) on ``AMP_BLOCK`` tokens x hidden: what amp gains
-    on a model, casts and elementwise operators included, which square matmuls do not show."""
-    tokens, hidden = AMP_BLOCK
-    generator = torch.Generator().manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for _ in range(2):
-        layers += [torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden),
-                   torch.nn.LayerNorm(hidden)]
-    model = torch.nn.Sequential(*layers).to(device)
-    x = torch.randn(tokens, hidden, generator=generator).to(device)
-
-    def step(amp: bool) -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-            out = model(x)
-        out.float().square().mean().backward()
-        model.zero_grad(set_to_none=True)
-
-    return median_seconds(device, lambda: step(False)) / median_seconds(device, lambda: step(True))
 
 
 def _op_seconds(device: torch.device) -> float:

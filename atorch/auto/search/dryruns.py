@@ -99,7 +99,7 @@ def _pruned_before_running(run: SearchRun, result) -> bool:
     """Whether the measurements so far prune ``result``: a twin measured to fit proves what its
     estimate could not (the twin rules apply again), and the estimate's error as the dry runs so
     far measured it says it cannot fit the budget or cannot beat the best measured step."""
-    prune_twins(run.results, run.fits, pending={id(result)})
+    prune_twins(run.results, run.fits, pending={id(result)}, measured=run.measured_rates)
     if result.reason is not None:
         return True
     so_far = [r for _, r in run.results]

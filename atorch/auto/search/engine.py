@@ -43,6 +43,7 @@ from atorch.auto.search.pick import no_winner_note, pick_winner, tied_with, unme
 from atorch.auto.search.prune import prune_on_estimates
 from atorch.auto.search.report import SearchReport
 from atorch.auto.search.space import candidate_space, layout_space
+from atorch.auto.search.speedup import half_speedup
 from atorch.auto.search.state import SearchOptions, SearchRun
 from atorch.auto.strategy import Strategy
 
@@ -91,7 +92,7 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
     estimate_all(run, [resolved(model, strategy) for strategy in candidates], prober, rates)  # 2
     run.fits.update(id(s) for s, r in run.results if r.reason is None and run.surely_fits(r))
     if not run.given:
-        prune_on_estimates(run.results, run.fits)  # 3
+        prune_on_estimates(run.results, run.fits, run.measured_rates)  # 3
     stopped = run_dry_runs(run, *dry_run_order(run))  # 4
     settle_close_call(run)  # 5
     return _answer(run, counts, stopped)  # 6
@@ -116,7 +117,7 @@ def _space(run: SearchRun, probe_ctx: ModelContext, excluded, included, base, on
 def _rates(run: SearchRun, probe_ctx: ModelContext) -> Rates:
     """Optimizer state per parameter, the step's cost per byte on this device (sharding the
     optimizer state divides it: zero1 on a CPU), and this machine's calibrated rates when `atorch
-    calibrate` has measured them, nominal otherwise."""
+    calibrate` has measured them, else nominal ones with bf16's speedup over fp32 measured."""
     state_factor = cost.optimizer_state_factor(probe_ctx.optim_func, probe_ctx.optim_args)
     optim_rate = from_rank0(cost.optimizer_seconds_per_byte(probe_ctx.optim_func, probe_ctx.optim_args,
                                                             run.device_ctx.device))
@@ -124,7 +125,13 @@ def _rates(run: SearchRun, probe_ctx: ModelContext) -> Rates:
         run.rates_text = f"the rates given ({run.options.profile.name})"
         return Rates(state_factor, optim_rate, run.options.profile)
     profile, run.rates_text = cached_rates(run.device_ctx.device, run.device_ctx.world_size)
-    return Rates(state_factor, optim_rate, profile)
+    if profile is not None:
+        return Rates(state_factor, optim_rate, profile)
+    # No calibration: bf16's speedup over fp32, which decides whether amp is tried, is measured.
+    speedup, where = half_speedup(run.device_ctx.device, run.device_ctx.world_size)
+    run.rates_text += f"; bf16's speedup over fp32 measured: {speedup:.2f}x ({where})"
+    run.measured_rates = frozenset({"half"})
+    return Rates(state_factor, optim_rate, None, speedup)
 
 
 def _answer(run: SearchRun, counts: Counter, stopped: int) -> tuple[Strategy | None, SearchReport]:

@@ -5,6 +5,8 @@ planner refuses (config error) and one surely over the budget are decided here."
 
 import functools
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -177,12 +179,16 @@ def share_probes(model, candidates: list[Strategy], probed_batch, probe_ctx: Mod
         return keys, run_shared(list(jobs.items()), memo, out_of_time)
 
 
+@dataclass(frozen=True)
 class Rates:
     """What every candidate's estimate shares: optimizer state per parameter, the optimizer's
-    seconds per byte on this device, and the rates (calibrated or nominal)."""
+    seconds per byte on this device, and the rates: a calibrated profile, or nominal ones with
+    bf16's speedup over fp32 measured here (speedup.py)."""
 
-    def __init__(self, state_factor: float, optim_rate: float, profile):
-        self.state_factor, self.optim_rate, self.profile = state_factor, optim_rate, profile
+    state_factor: float
+    optim_rate: float
+    profile: Any = None
+    half_speedup: float | None = None
 
 
 def ineligible_rows(layouts) -> list[tuple[Strategy, CandidateResult]]:
@@ -230,7 +236,7 @@ def _estimated(run: SearchRun, strategy: Strategy, dims: dict, text: str, prober
     estimate, reason = cost_candidate(run.model, strategy, dims, rates.state_factor, prober,
                                       run.device_ctx.device.type, rates.optim_rate)
     if estimate is not None:
-        estimate.profile = rates.profile
+        estimate.profile, estimate.half_speedup = rates.profile, rates.half_speedup
     memory = None if estimate is None else estimate.memory()
     # Decisions use agreed values only, so every rank prunes and runs the same candidates: rank
     # 0's reason and whether its clock is past the time limit, the largest peak and step time

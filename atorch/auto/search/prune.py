@@ -19,19 +19,26 @@ DOMINANCE = 2.0
 SLOWER_MARGIN = 1 / stop.STOP_SLACK
 
 
-def prune_on_estimates(results, fits: set[int]) -> None:
+# measured= of prune_twins: every rate (a calibrated or given profile)
+ALL_RATES = None
+
+
+def prune_on_estimates(results, fits: set[int], measured: frozenset | None = ALL_RATES) -> None:
     """The twin rules, then dominance, over every candidate not yet decided. A twin that may not
     fit (near the boundary, or not estimated) prunes nothing."""
-    prune_twins(results, fits)
+    prune_twins(results, fits, measured=measured)
     prune_dominated(results)
 
 
-def prune_twins(results, fits: set[int], pending: set[int] | None = None) -> None:
+def prune_twins(results, fits: set[int], pending: set[int] | None = None,
+                measured: frozenset | None = ALL_RATES) -> None:
     """Prune a candidate when the same strategy less one of its methods surely fits the budget
     (its ``id`` in ``fits``: by its estimate, or by a dry run's measured peak) and that method
     cannot pay for itself: it only saves memory (``memory_only`` in the registry), or it is
-    estimated to slow this step (``_slower_by``). ``pending`` (ids of results) limits the pruning
-    to candidates that have not run."""
+    estimated to slow this step (``_slower_by``) on rates measured here (``measured``: the rates
+    measured on this machine, ALL_RATES with a calibration; a method whose ``decided_by`` names
+    another is dry-run, not pruned as slower). ``pending`` (ids of results) limits the pruning to
+    candidates that have not run."""
     for strategy, result in results:
         if result.reason is not None or (pending is not None and id(result) not in pending):
             continue
@@ -44,11 +51,16 @@ def prune_twins(results, fits: set[int], pending: set[int] | None = None) -> Non
                 result.reason, result.pruned_by = memory_only_reason(name), MEMORY_ONLY
                 break
             slower = _slower_by(result, twin[1])
-            if slower is not None and get_method(name).layouts is None:
+            if slower is not None and get_method(name).layouts is None and _measured(name, measured):
                 result.reason = (f"{name} is estimated to make the step {slower:.2f}x slower here, and the same "
                                  f"strategy without it fits the budget")
                 result.pruned_by = SLOWER
                 break
+
+
+def _measured(name: str, measured: frozenset | None) -> bool:
+    """Whether every rate that decides ``name``'s time was measured on this machine."""
+    return measured is ALL_RATES or set(get_method(name).decided_by) <= measured
 
 
 def memory_only_reason(name: str) -> str:

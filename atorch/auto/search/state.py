@@ -61,6 +61,9 @@ class SearchRun:
     timed_out: bool = False  # the time_limit cut something short (the report's note says so only then)
     last_seconds: float = 0.0  # the last dry run's (the next starts only if one as long fits the time left)
     rates_text: str | None = None  # which rates the estimates use (SearchReport.rates)
+    # the rates measured on this machine (MethodSpec.decided_by's names); None: all of them (a
+    # calibrated or given profile)
+    measured_rates: frozenset | None = None
 
     def past_limit(self) -> bool:
         """On this rank's clock: rank 0's decides, through an agreement."""

@@ -2,7 +2,7 @@
 
 Every scenario runs ``auto_accelerate``'s full search in one process, with the world size it
 names, on real probes of the model (activations, FLOPs: deterministic on a CPU), nominal rates
-and a fixed optimizer rate. The dry runs and the side-by-side timing are replaced by a recorded
+with a fixed bf16 speedup, and a fixed optimizer rate. The dry runs and the side-by-side timing are replaced by a recorded
 machine: each candidate's steps take its own estimate times a factor drawn from a hash of its
 strategy and of how many times it ran, and its peak its estimated peak times another such factor.
 So the same code gives the same report, to the last digit, run after run; a change to any stage
@@ -25,6 +25,9 @@ from pathlib import Path
 import torch
 
 REPLAYS = Path(__file__).parent / "replays"
+# bf16's speedup over fp32 on the recorded machine (speedup.py measures a real one): a CPU with
+# bf16 instructions, where amp runs faster than fp32.
+REPLAY_SPEEDUP = 1.25
 # Report fields that a clock sets (when and how long the search ran), not a decision.
 CLOCK_FIELDS = ("search_seconds", "created")
 
@@ -150,7 +153,7 @@ def recorded(scenario: Scenario):
     """The recorded machine in place of this one's clocks, memory and calibration."""
     import atorch.auto.search.engine  # noqa: F401 - every module that binds the patched names
     from atorch.auto.environment import DeviceContext
-    from atorch.auto.search import calibrate, cost, dryrun, sidebyside
+    from atorch.auto.search import calibrate, cost, dryrun, sidebyside, speedup
 
     machine = RecordedMachine(scenario.side_by_side)
     build_cost = cost.build_cost
@@ -168,6 +171,7 @@ def recorded(scenario: Scenario):
         _patched_everywhere(stack, sidebyside.fits_together, machine.fits_together)
         _patched_everywhere(stack, calibrate.cached_rates, lambda *args, **kwargs: (None, "nominal rates (replay)"))
         _patched_everywhere(stack, cost.optimizer_seconds_per_byte, lambda *args, **kwargs: 2.5e-10)
+        _patched_everywhere(stack, speedup.half_speedup, lambda *args, **kwargs: (REPLAY_SPEEDUP, "replay"))
         stack.enter_context(_patched_attribute(DeviceContext, "detect", classmethod(lambda cls: device)))
         yield machine
 

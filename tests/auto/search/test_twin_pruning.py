@@ -1,4 +1,4 @@
-"""The search's twin rules (engine._prune_twins): a candidate is pruned when the same strategy less
+"""The search's twin rules (prune.prune_twins): a candidate is pruned when the same strategy less
 one of its methods surely fits the budget and that method cannot pay for itself, because it only
 saves memory, or because the cost model says it slows the step (bf16 autocast on a CPU)."""
 
@@ -13,7 +13,7 @@ AMP = ("amp_native", "bf16")
 
 def _candidates(**seconds):
     """(strategy, result) pairs named plain, amp, checkpoint, with the given estimated seconds."""
-    methods = {"plain": ["parallel_mode"], "amp": ["parallel_mode", AMP],
+    methods = {"plain": ["parallel_mode"], "amp": ["parallel_mode", AMP], "zero1": ["parallel_mode", "zero1"],
                "checkpoint": ["parallel_mode", "checkpoint"], "pipeline": ["parallel_mode", "pipeline_parallel"]}
     out = {}
     for name, step in seconds.items():
@@ -102,3 +102,14 @@ def test_a_method_estimated_slower_within_the_estimates_error_is_measured():
     _prune_twins(list(c.values()), fits={id(c["plain"][0])})
     assert c["amp"][1].reason is None
     assert SLOWER_MARGIN >= 1.2
+
+
+def test_without_a_calibration_only_a_method_whose_deciding_rate_was_measured_is_pruned_as_slower():
+    """Without a calibration the search measures bf16's speedup (speedup.py), not the collectives:
+    amp estimated slower on the measured speedup is pruned; zero1 estimated slower on nominal
+    collective rates is left to its dry run. With a calibration (every rate measured) both go."""
+    for measured, zero1_pruned in ((frozenset({"half"}), False), (None, True)):
+        c = _candidates(plain=1.0, amp=1.4, zero1=1.4)
+        _prune_twins(list(c.values()), fits={id(c["plain"][0])}, measured=measured)
+        assert c["amp"][1].pruned_by == SLOWER
+        assert (c["zero1"][1].pruned_by == SLOWER) is zero1_pruned
