@@ -27,6 +27,10 @@ class CandidateResult:
     # within reach of the best, built together and stepped in turn); the winner is decided on it
     side_by_side: float | None = None
     side_by_side_seconds: list[float] | None = None  # each of its turns there, seconds a step
+    # how far behind the fastest it ran there, turn by turn: [median ratio, band low, band high]
+    # (sidebyside.behind_bands; [1, 1, 1] for the fastest); tied with it where the band's low end
+    # is within sidebyside.TIE
+    side_by_side_behind: list[float] | None = None
     # every timed step's seconds (the slowest rank's), over all its dry runs; the throughput is the
     # median step's, throughput_range the slowest and fastest step's (samples/s)
     step_seconds: list[float] | None = None

@@ -7,7 +7,7 @@ import statistics
 from atorch.auto.search.agree import all_ok, from_rank0
 from atorch.auto.search.candidate import MEASURED
 from atorch.auto.search.dryruns import judge, measure, reading, record
-from atorch.auto.search.sidebyside import MAX_TURNS, TURN_STEPS, fits_together, time_side_by_side
+from atorch.auto.search.sidebyside import MAX_TURNS, TURN_STEPS, behind_bands, fits_together, time_side_by_side
 from atorch.auto.search.state import SearchRun
 from atorch.utils.log import logger, quiet
 
@@ -110,7 +110,8 @@ def side_by_side(run: SearchRun, close: list) -> bool:
         logger.info("timing the close call side by side failed (%s); timing its candidates again one by one",
                     outcome["reason"])
         return False
-    for (_, result), turns in zip(close, outcome["turn_seconds"]):
+    for (_, result), turns, band in zip(close, outcome["turn_seconds"], behind_bands(outcome["turn_seconds"])):
         result.side_by_side = run.global_batch / statistics.median(turns)
         result.side_by_side_seconds = turns
+        result.side_by_side_behind = list(band)
     return True

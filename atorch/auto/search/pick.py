@@ -8,7 +8,7 @@ from atorch.auto.registry import all_methods
 from atorch.auto.search import cost
 from atorch.auto.search.candidate import FAILED, MEASURED, OVER_BUDGET, PRUNED
 from atorch.auto.search.sidebyside import TIE as SIDE_BY_SIDE_TIE
-from atorch.auto.search.sidebyside import behind
+from atorch.auto.search.sidebyside import behind_bands
 from atorch.auto.search.state import SearchOptions
 from atorch.utils.sizes import size_text
 
@@ -109,9 +109,9 @@ def _timed_together(results) -> list:
 
 def _tied_set(results) -> list:
     together = _timed_together(results)
-    if together:  # side by side, only a difference within the tolerance (turn by turn) is a tie
-        ratios = behind([r.side_by_side_seconds for _, r in together])
-        return [item for item, ratio in zip(together, ratios) if ratio <= 1 + SIDE_BY_SIDE_TIE]
+    if together:  # side by side: tied where the turns cannot set it apart beyond the tie (its band)
+        bands = behind_bands([r.side_by_side_seconds for _, r in together])
+        return [item for item, (_, low, _) in zip(together, bands) if low <= 1 + SIDE_BY_SIDE_TIE]
     measured = [(s, r) for s, r in results if r.status == MEASURED and r.throughput]
     if not measured:
         return []

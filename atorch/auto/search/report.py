@@ -147,17 +147,30 @@ class SearchReport:
                 "the fastest, then the faster estimate"]
 
     def _side_by_side_lines(self, together: list[int]) -> list[str]:
-        from atorch.auto.search.sidebyside import TIE, TURN_STEPS
+        from atorch.auto.search.sidebyside import CONFIDENCE, TIE, TURN_STEPS
 
-        figures = ", ".join(f"{self._name(i)} {_rate_text(self.candidates[i].side_by_side)} "
-                            f"({len(self.candidates[i].side_by_side_seconds or ())} turns)" for i in together)
+        figures = "; ".join(self._side_by_side_figure(i) for i in together)
         lines = [f"the close call timed side by side (turns of {TURN_STEPS} steps in turn; samples/s of the "
-                 f"median turn): {figures}"]
+                 f"median turn; behind the fastest turn by turn, with the {CONFIDENCE:.0%} band of that ratio): "
+                 f"{figures}"]
         if self.tied:
             others = ", ".join(self._name(i) for i in self.tied)
-            lines.append(f"winner {self._name(self.winner)}: tied with {others} (within {TIE:.1%} side by "
-                         "side); the tie goes to the lower measured peak, then fewer methods, then the faster")
+            lines.append(f"winner {self._name(self.winner)}: tied with {others} (a band reaching within {TIE:.1%} "
+                         "of the fastest: the turns cannot tell them apart); the tie goes to the lower measured "
+                         "peak, then fewer methods, then the faster")
+        elif self.winner is not None:
+            lines.append(f"winner {self._name(self.winner)}: no tie (every other band lies beyond {TIE:.1%} behind)")
         return lines
+
+    def _side_by_side_figure(self, index: int) -> str:
+        c = self.candidates[index]
+        text = f"{self._name(index)} {_rate_text(c.side_by_side)} ({len(c.side_by_side_seconds or ())} turns"
+        behind = c.side_by_side_behind
+        if behind and behind[0] > 1.0:
+            text += f", x{behind[0]:.3f} behind, band {behind[1]:.3f}-{behind[2]:.3f}"
+        elif behind:
+            text += ", the fastest"
+        return text + ")"
 
     def _counts_line(self) -> list[str]:
         if self.generated is None:

@@ -12,6 +12,7 @@ Every candidate's copy is alive at once, so the search runs this only where they
 every rank (:func:`fits_together`); each rank steps the same candidate at the same time."""
 
 import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -47,6 +48,14 @@ NEAR = 0.10
 # the tie could flip it: 1 pick off at 0.025 and 0.03 (a search whose close call lacked zero1), 2
 # at 0.02.
 TIE = 0.025
+# A runner-up is tied with the fastest where the band of its ratio to it (turn by turn: the
+# ratios' median, with the order statistics around it that cover the median with this
+# confidence, whatever their distribution) reaches 1 + TIE: the turns cannot tell it apart from
+# the fastest beyond the tie. A median alone within the tie decided before (2026-11-27); under a
+# passing load one search put plain 9% ahead of zero1 on medians and picked zero1 on the ratios,
+# from turns that varied 2.5x round to round, and its report showed neither the figures that
+# decided nor that the call was a coin toss (issue 53).
+CONFIDENCE = 0.90
 
 
 def fits_together(peaks: list[int | None], device: torch.device, local_world: int = 1) -> bool:
@@ -150,3 +159,39 @@ def behind(seconds: list[list[float]]) -> list[float]:
     first = min(range(len(seconds)), key=lambda i: statistics.median(seconds[i]))
     fastest = min(range(len(seconds)), key=lambda i: ratio(seconds[i], seconds[first]))
     return [ratio(turns, seconds[fastest]) for turns in seconds]
+
+
+def behind_bands(seconds: list[list[float]]) -> list[tuple[float, float, float]]:
+    """Each candidate's ratio to the fastest as :func:`behind` reads it, with its band:
+    ``(median, low, high)`` over the rounds both took (``(1, 1, 1)`` for the fastest).
+
+    >>> behind_bands([[1.0] * 6, [1.1, 1.0, 1.2, 1.1, 1.1, 1.1]])[1]
+    (1.1, 1.0, 1.2)
+    """
+    medians = behind(seconds)
+    fastest = medians.index(min(medians))
+    out = []
+    for index, turns in enumerate(seconds):
+        if index == fastest:
+            out.append((1.0, 1.0, 1.0))
+            continue
+        ratios = sorted(a / b for a, b in zip(turns, seconds[fastest]))
+        low, high = median_band(ratios)
+        out.append((medians[index], low, high))
+    return out
+
+
+def median_band(values: list[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """The order statistics ``(x_k, x_{n+1-k})`` of sorted ``values`` that hold their median with
+    at least ``confidence``, whatever the distribution (the binomial count of values below it):
+    the widest band, ``(min, max)``, for fewer than 6 values."""
+    n = len(values)
+    k = 0  # how many values may lie outside on each side
+    while k + 1 <= n // 2 and _binomial_tail(n, k) <= (1 - confidence) / 2:
+        k += 1
+    return values[max(k - 1, 0)], values[n - max(k, 1)]
+
+
+def _binomial_tail(n: int, k: int) -> float:
+    """P(X <= k) for X ~ Binomial(n, 1/2)."""
+    return sum(math.comb(n, i) for i in range(k + 1)) / 2**n

@@ -4,6 +4,7 @@ not the dry runs' readings (which read 3-20% apart run to run on a loaded machin
 
 import statistics
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -223,3 +224,44 @@ def test_the_turns_alternate_their_order_every_round(monkeypatch):
     rounds = [turns[i:i + 3] for i in range(0, len(turns), 3)]
     assert len(rounds) == sidebyside.MAX_TURNS
     assert all(r == ([0, 1, 2] if k % 2 == 0 else [2, 1, 0]) for k, r in enumerate(rounds)), rounds
+
+
+def test_a_runner_up_whose_band_reaches_the_tie_is_tied_and_a_steady_one_is_not():
+    """Ties from the data: 6% behind by the median of its turn ratios, the runner-up is tied where
+    its turns vary enough that the band of that ratio reaches within TIE of the fastest (the lower
+    peak then wins), and not tied where the same median comes from steady turns."""
+    fastest = [0.100] * 18
+    noisy = [0.100 * r for r in (1.06, 1.01, 1.12, 1.06, 0.99, 1.10, 1.06, 1.02, 1.11) * 2]
+    steady = [0.106] * 18
+    for turns, tied in ((noisy, True), (steady, False)):
+        results = _timed(([], 140.0, 10.0, 30 << 20), (["zero1"], 120.0, 10.0 / 1.06, 20 << 20))
+        results[0][1].side_by_side_seconds, results[1][1].side_by_side_seconds = fastest, turns
+        median, low, high = sidebyside.behind_bands([fastest, turns])[1]
+        assert median == pytest.approx(1.06) and (low <= 1 + TIE) is tied
+        winner = _pick_winner(results)
+        assert winner[0].opt_names == (["zero1"] if tied else [])  # a tie goes to the lower peak
+        assert bool(_tied(results, winner)) is tied
+
+
+def test_the_band_holds_the_median_with_the_stated_confidence():
+    """The order statistics around the median: the widest band below 6 rounds, x(6)..x(13) of 18
+    (the binomial tail of 5 below is 0.048, of 6 is 0.119: 90%)."""
+    assert sidebyside.median_band(list(range(1, 6))) == (1, 5)
+    assert sidebyside.median_band(list(range(1, 19))) == (6, 13)
+    assert sidebyside.median_band(list(range(1, 10))) == (2, 8)
+
+
+def test_the_report_prints_the_figures_that_decided_and_tie_only_where_they_show_one():
+    report = SearchReport(2, "cpu", 1 << 30, global_batch=8)
+    fastest, runner = CandidateResult(Strategy([]).to_dict(), status=MEASURED, side_by_side=80.0,
+                                      side_by_side_seconds=[0.1] * 6, side_by_side_behind=[1.0, 1.0, 1.0]), \
+        CandidateResult(Strategy(["zero1"]).to_dict(), status=MEASURED, side_by_side=75.0,
+                        side_by_side_seconds=[0.107] * 6, side_by_side_behind=[1.07, 1.06, 1.08])
+    report.candidates, report.winner = [fastest, runner], 0
+    text = report.table(width=120)
+    flat = " ".join(text.split())  # the line wraps at 120 columns
+    assert max(len(line) for line in text.splitlines()) <= 120
+    assert "x1.070 behind, band 1.060-1.080" in flat and "no tie" in flat and "tied with" not in flat
+    runner.side_by_side_behind, report.tied = [1.07, 1.01, 1.12], [1]
+    flat = " ".join(report.table(width=120).split())
+    assert "band 1.010-1.120" in flat and "tied with" in flat and "no tie" not in flat
