@@ -109,7 +109,7 @@ def test_explain_shows_whole_reasons_and_the_estimate_breakdown(tmp_path, capsys
     assert LONG_REASON in _words(out)
     # The terms the JSON holds, per candidate, in GiB (before: only the peak).
     assert ("parallel_mode: params 1.0GiB, grads 1.0GiB, optim_state 2.0GiB, gathered 0B, activations 5.0GiB, "
-            "step_temp 0B, forward_flops 1.5e+12 FLOP, total 9.0GiB") in out
+            "step_temp 0B, forward_flops 1.5e+12 FLOP, total 9.0GiB") in _words(out)  # folded within 120 columns
     assert "parallel_mode + fsdp: params 1.0GiB" in out
 
 

@@ -1,10 +1,14 @@
-"""What the ``atorch`` commands share: a model built on the meta device from a flag, and a start-up
-without the garbage collector."""
+"""What the ``atorch`` commands share: a model built on the meta device from a flag, a start-up
+without the garbage collector, and text folded to the terminal's width."""
 
 import gc
 import importlib
+import io
 import json
+import sys
 from contextlib import contextmanager
+
+from atorch.utils.text_table import fold
 
 _collector_was_on = True
 
@@ -26,6 +30,42 @@ def collector_off_for_startup():
         gc.unfreeze()
         if _collector_was_on:
             gc.enable()
+
+
+class _Folding(io.TextIOBase):
+    """A text stream that writes each complete line to ``target`` folded within ``width``."""
+
+    def __init__(self, target, width: int):
+        self.target, self.width, self.pending = target, width, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        for line in lines:
+            self.target.write("\n".join(fold(line, self.width)) + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.target.write("\n".join(fold(self.pending, self.width)))
+            self.pending = ""
+        self.target.flush()
+
+
+@contextmanager
+def folded_stdout(width: int):
+    """Inside the block, every line printed to stdout fits ``width`` columns (folded at spaces, its
+    continuation indented; no word cut). A command's tables fit on their own; this folds its prose
+    (assumptions, notes, reasons). Not for JSON, whose strings must stay whole."""
+    stream = _Folding(sys.stdout, width)
+    saved, sys.stdout = sys.stdout, stream
+    try:
+        yield
+    finally:
+        stream.flush()
+        sys.stdout = saved
 
 
 def startup_done() -> None:

@@ -21,11 +21,16 @@ def main(argv=None) -> int:
     plan.add_parser(sub)
     calibrate.add_parser(sub)
     args = parser.parse_args(argv)
-    from atorch.cli.common import collector_off_for_startup
-    from atorch.errors import AtorchConfigError
+    from contextlib import nullcontext
 
+    from atorch.cli.common import collector_off_for_startup, folded_stdout
+    from atorch.errors import AtorchConfigError
+    from atorch.utils.text_table import output_width
+
+    # every line within the terminal's width ($COLUMNS, at most 120); JSON as it is
+    folding = nullcontext() if getattr(args, "json", False) else folded_stdout(output_width())
     try:
-        with collector_off_for_startup():
+        with collector_off_for_startup(), folding:
             return args.func(args)
     except (AtorchConfigError, ValueError, OSError) as error:
         print(f"atorch {args.command}: {error}", file=sys.stderr)

@@ -219,6 +219,8 @@ def _peak(terms: dict) -> int:
 
 
 def _print_table(rows, with_activations: bool, memory: int) -> None:
+    from atorch.utils.text_table import output_width, table
+
     header = ["weights", "grads", "optim", "gathered", "buckets", "states"] + (["acts", "peak"] if with_activations else [])
 
     def order(row):
@@ -228,20 +230,21 @@ def _print_table(rows, with_activations: bool, memory: int) -> None:
         total = _peak(terms) if with_activations else _states(terms)
         return (0 if total <= memory else 1, len(names), total)
 
-    width = max([58] + [len(" + ".join(names)) for names, _, _ in rows])  # columns line up under long labels
-    print(f"{'strategy':{width}} " + " ".join(f"{h:>9}" for h in header) + "  verdict")
+    lines = [["strategy", *header, "verdict"]]
     for names, terms, reason in sorted(rows, key=order):
         label = " + ".join(names) or "(plain)"
         if terms is None:
-            print(f"{label:{width}} {reason}")
+            lines.append([label, *([""] * len(header)), reason])
             continue
         cells = [terms["params"], terms["grads"], terms["optim_state"], terms["gathered"], terms.get("buckets", 0),
                  _states(terms)]
         if with_activations:
             cells += [terms["activations"], _peak(terms)]
-        total = cells[-1]
-        verdict = "fits" if total <= memory else "over budget"
-        print(f"{label:{width}} " + " ".join(f"{c / GIB:9.2f}" for c in cells) + f"  {verdict}")
+        verdict = "fits" if cells[-1] <= memory else "over budget"
+        lines.append([label, *(f"{c / GIB:.2f}" for c in cells), verdict])
+    # the strategy folds at its " + ", a reason under itself: every line within the terminal's width
+    print("\n".join(table(lines, output_width(), wrap=(0,), right=range(1, len(header) + 1), fill=len(header) + 1,
+                           fill_min=11, title=(0,))))
 
 
 def _states(terms: dict) -> int:

@@ -299,12 +299,22 @@ def _print(result, records, args, profile, params, assumptions) -> None:
         print(plan_report.nothing_fits(records, memory))
         return
     print(f"top {min(args.top, len(fitting))} of {len(fitting)} layouts that fit, fastest first (estimated):")
-    print(f"{'rank':>4}  {'layout':50} {'methods':52} {'GiB/rank':>8} {'step s':>8} {'tok/s/GPU':>9} {'MFU':>6}")
-    for rank, record in enumerate(fitting[: args.top], 1):
-        print(f"{rank:>4}  {record['layout_text']:50} {' + '.join(record['methods']) or '(plain)':52} "
-              f"{record['memory_bytes']['total'] / GIB:8.2f} {record['step_seconds']:8.4g} "
-              f"{record['tokens_per_second_per_device']:9.0f} {record['mfu']:6.1%}")
+    print("\n".join(_top_table(fitting[: args.top])))
     over = [r for r in records if r["fits"] is False]
     if over:
         print(f"closest over memory: {over[0]['layout_text']} with {' + '.join(over[0]['methods']) or 'no method'}: "
               f"{over[0]['reason']}")
+
+
+def _top_table(records: list[dict]) -> list[str]:
+    """The fastest plans as a table within the terminal's width: layouts fold at their " x " and
+    ", ", methods at their " + "; a terminal too narrow for the columns gets a block per plan."""
+    from atorch.utils.text_table import output_width, table
+
+    rows = [["rank", "layout", "methods", "GiB/rank", "step s", "tok/s/GPU", "MFU"]]
+    for rank, record in enumerate(records, 1):
+        rows.append([str(rank), record["layout_text"], " + ".join(record["methods"]) or "(plain)",
+                     f"{record['memory_bytes']['total'] / GIB:.2f}", f"{record['step_seconds']:.4g}",
+                     f"{record['tokens_per_second_per_device']:.0f}", f"{record['mfu']:.1%}"])
+    return table(rows, output_width(), wrap=(1, 2), right=(0, 3, 4, 5, 6), title=(0, 1, 2))
+

@@ -41,6 +41,9 @@ class CandidateResult:
     layout: str | None = None
     # The pruning rule that removed it (a key of SearchReport.pruned), when pruned.
     pruned_by: str | None = None
+    # A duplicate (pruned as symmetric): the strategy as generated, where planning it for this model
+    # dropped a method that would change nothing (the record's strategy is the planned one).
+    generated_as: str | None = None
 
     @property
     def names(self) -> list[str]:

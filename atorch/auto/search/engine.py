@@ -89,7 +89,7 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
     run.results.extend(ineligible_rows(ineligible))
     prober, rates = Prober(run, probe_ctx, candidates), _rates(run, probe_ctx)
     # As planned for this model, so the report names what would run, and the same run once.
-    estimate_all(run, [resolved(model, strategy) for strategy in candidates], prober, rates)  # 2
+    estimate_all(run, [resolved(model, strategy) for strategy in candidates], prober, rates, candidates)  # 2
     run.fits.update(id(s) for s, r in run.results if r.reason is None and run.surely_fits(r))
     if not run.given:
         prune_on_estimates(run.results, run.fits, run.measured_rates)  # 3

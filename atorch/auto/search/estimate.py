@@ -29,7 +29,7 @@ from atorch.auto.search.candidate import (
 )
 from atorch.auto.search.prune import memory_only_reason, memory_only_twin_fits
 from atorch.auto.search.share import run_shared
-from atorch.auto.search.space import layout_text
+from atorch.auto.search.space import layout_text, method_labels
 from atorch.auto.search.state import SearchRun
 from atorch.auto.strategy import Strategy
 from atorch.distributed.topology import data_parallel_size
@@ -197,26 +197,31 @@ def ineligible_rows(layouts) -> list[tuple[Strategy, CandidateResult]]:
                                                 pruned_by=INELIGIBLE)) for layout, why in layouts]
 
 
-def estimate_all(run: SearchRun, candidates: list[Strategy], prober: Prober, rates: Rates) -> None:
-    """Every candidate's record added to ``run.results``, in order, estimated or decided here."""
+def estimate_all(run: SearchRun, candidates: list[Strategy], prober: Prober, rates: Rates,
+                 generated: list[Strategy] | None = None) -> None:
+    """Every candidate's record added to ``run.results``, in order, estimated or decided here.
+    ``candidates`` are planned for the model (:func:`resolved`); ``generated``, the same as the
+    space made them (a duplicate's record says what it was generated as)."""
     prober.share(candidates)
     late = run.out_of_time()  # then learnt with each candidate's agreement (one collective a candidate)
-    for strategy in candidates:
+    for strategy, as_generated in zip(candidates, generated or candidates):
         dims = layout_dims(strategy, run.device_ctx.world_size)
         text = layout_text(dims.items(), layout_config(strategy))
-        result = _decided_unestimated(run, strategy, text, late)
+        result = _decided_unestimated(run, strategy, text, late, as_generated)
         if result is None:
             result, late = _estimated(run, strategy, dims, text, prober, rates)
         run.results.append((strategy, result))
 
 
-def _decided_unestimated(run: SearchRun, strategy: Strategy, text: str, late: bool) -> CandidateResult | None:
+def _decided_unestimated(run: SearchRun, strategy: Strategy, text: str, late: bool,
+                         generated: Strategy) -> CandidateResult | None:
     """A candidate decided without its estimate: a duplicate, one whose memory-only method is not
     needed (what prune_twins would prune, not estimated nor probed at all), or one past the
     time limit."""
     record = functools.partial(CandidateResult, strategy.to_dict(), layout=text)
     if any(s == strategy for s, _ in run.results):
-        return record(reason=DUPLICATE, pruned_by=SYMMETRIC)
+        as_generated = None if generated == strategy else " + ".join(method_labels(generated.items()))
+        return record(reason=DUPLICATE, pruned_by=SYMMETRIC, generated_as=as_generated)
     if not run.given:
         saver = memory_only_twin_fits(strategy, run.results, run.ratios, run.options.memory_budget,
                                       run.options.estimate_ratio)

@@ -2,7 +2,6 @@
 
 import json
 import os
-import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 from atorch.auto.search.candidate import FAILED, MEASURED, PRUNED, CandidateResult  # noqa: F401 - their old home
 from atorch.utils.files import write_text_atomic
 from atorch.utils.sizes import size_text  # noqa: F401 - its old home
+from atorch.utils.text_table import fold, output_width, table
 
 
 @dataclass
@@ -63,13 +63,14 @@ class SearchReport:
         except (OSError, ValueError, TypeError) as error:
             raise ValueError(f"{path} is not an atorch search report: {error}") from None
 
-    def table(self, width: int = 120, all_rows: bool = False) -> str:
+    def table(self, width: int | None = None, all_rows: bool = False) -> str:
         """One row per dry-run candidate (and the pick): status, measured and estimated throughput,
         estimated and measured memory, reason; then the pruned ones grouped by the rule that
         pruned them (``all_rows``: a row for each of them too). Lines fit ``width`` characters.
 
         Reasons are shown whole, wrapped under their column (a reason is often the one thing that
-        says what to change)."""
+        says what to change). ``width``: the terminal's (``$COLUMNS``), at most 120."""
+        width = width or output_width()
         rows = [("", "strategy", "layout", "samples/s", "est.", "est. peak", "peak", "status")]
         shown = [i for i in self._display_order()
                  if all_rows or self.candidates[i].status != PRUNED or i == self.winner]
@@ -101,8 +102,8 @@ class SearchReport:
         hidden = [] if all_rows else self._pruned_lines(set(shown), width)
         stopped = [self.stopped] if self.stopped else []
         top = [wrapped for line in (head, *self._counts_line(), *stopped, *rates, *self._tie_line())
-               for wrapped in textwrap.wrap(line, width, subsequent_indent="    ", break_on_hyphens=False)]
-        bottom = [wrapped for line in (*tail, *legend) for wrapped in textwrap.wrap(line, width, subsequent_indent="    ")]
+               for wrapped in fold(line, width)]
+        bottom = [wrapped for line in (*tail, *legend) for wrapped in fold(line, width)]
         return "\n".join([*top, *lines, *hidden, *bottom])
 
     def _pruned_lines(self, shown: set[int], width: int) -> list[str]:
@@ -110,15 +111,26 @@ class SearchReport:
         groups: dict[str, list[str]] = {}
         for index, c in enumerate(self.candidates):
             if c.status == PRUNED and index not in shown:
-                name = (" + ".join(c.labels) or "(plain)") + (f" [{c.layout}]" if c.layout else "")
-                groups.setdefault((c.pruned_by or "other").replace("_", " "), []).append(name)
+                name = self._name(index)
+                if c.generated_as:  # a duplicate: how it was generated, and what it is once planned
+                    name = f"{c.generated_as} (planned: {name})"
+                groups.setdefault(c.pruned_by or "other", []).append(name)
         lines = []
         for rule, names in sorted(groups.items(), key=lambda item: -len(item[1])):
             listed = "; ".join(names[:3]) + ("; ..." if len(names) > 3 else "")
-            lines += textwrap.wrap(f"pruned, {rule} ({len(names)}): {listed}", width, subsequent_indent="    ")
+            lines += fold(f"pruned, {rule.replace('_', ' ')} ({self._group_count(rule, len(names))}): {listed}",
+                          width)
         if lines:
             lines.append("every candidate with its reason: atorch explain REPORT --all, or the report's JSON")
         return lines
+
+    def _group_count(self, rule: str, listed: int) -> str:
+        """How many a grouped line lists, beside the header's count where that is larger: candidates
+        the same as one generated before them were merged as the space was built, and have no record."""
+        total = (self.pruned or {}).get(rule, listed)
+        records = sum(1 for c in self.candidates if c.status == PRUNED and (c.pruned_by or "other") == rule)
+        merged = total - records  # counted in the header, no record (merged before planning)
+        return f"{listed}" if merged <= 0 else f"{listed} listed of {total}; {merged} merged as the space was built"
 
     def _estimate_text(self, c: CandidateResult) -> str:
         if not c.estimated_step_seconds:
@@ -190,43 +202,32 @@ class SearchReport:
 
         return sorted(range(len(self.candidates)), key=key)
 
-    def breakdown(self) -> str:
+    def breakdown(self, width: int | None = None) -> str:
         """Each candidate's memory estimate per rank, term by term (what the JSON's
-        ``estimate_breakdown`` holds), in the table's order."""
+        ``estimate_breakdown`` holds), in the table's order, within ``width``."""
+        width = width or output_width()
         lines = ["estimated memory per rank, by term:"]
         for index in self._display_order():
             c = self.candidates[index]
             if not c.estimate_breakdown:
                 continue
             terms = ", ".join(f"{key} {_term_text(key, value)}" for key, value in c.estimate_breakdown.items())
-            lines.append(f"  {' + '.join(c.names) or '(plain)'}: {terms}")
+            lines += fold(f"  {self._name(index)}: {terms}", width)
         return "\n".join(lines) if len(lines) > 1 else "no memory estimates in this report"
 
 def _table_lines(rows: list[tuple], width: int) -> list[str]:
-    """``rows`` as aligned columns within ``width``: the last column (status and reason) wraps
-    under itself, and the strategy column (the second) wraps at its " + " where a long name would
-    push the line past ``width``. A cell past ``CELL_LIMIT`` characters (a damaged or hostile
-    report) is cut there: wrapping 16 MB of one word took minutes."""
+    """``rows`` as aligned columns within ``width`` (atorch.utils.text_table.table): the strategy
+    and layout columns fold at their " + ", ", " and " x ", the last (status and reason) takes the
+    width left and wraps under itself; no word is cut. A cell past ``CELL_LIMIT`` characters (a
+    damaged or hostile report) is cut there: wrapping 16 MB of one word took minutes."""
     rows = [tuple(_clipped(cell) for cell in row) for row in rows]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    # the status column keeps its longest word, or 24 characters where a reason follows it
-    status = 24 if any(":" in r[-1] for r in rows[1:]) else max(len(r[-1]) for r in rows)
-    others = sum(widths) - widths[1] + 2 * len(widths)
-    widths[1] = max(16, min(widths[1], width - others - status))
-    indent = " " * (sum(widths) + 2 * len(widths))
-    reason_width = max(24, width - len(indent))
-    lines = []
-    for row in rows:
-        names = textwrap.wrap(row[1], widths[1], break_on_hyphens=False) or [""]
-        reason = textwrap.wrap(row[-1], reason_width, break_on_hyphens=False) or [""]
-        cells = "  ".join(cell.ljust(w) for cell, w in zip((row[0], names[0], *row[2:-1]), widths))
-        lines.append(f"{cells}  {reason[0]}".rstrip())
-        for k in range(1, max(len(names), len(reason))):
-            name = names[k] if k < len(names) else ""
-            more = reason[k] if k < len(reason) else ""
-            left = " " * (widths[0] + 2) + name.ljust(widths[1])
-            lines.append(f"{left.ljust(len(indent))}{more}".rstrip())
-    return lines
+    return table(rows, width, wrap=(1, 2, 3), fill=len(rows[0]) - 1, title=(0, 1, 2), title_text=_stacked_title)
+
+
+def _stacked_title(cells: list[str]) -> str:
+    """A row's title where the table stacks (a narrow terminal): ``* zero1 [data=2]``."""
+    *first, layout = cells
+    return " ".join(first) + (f" [{layout}]" if layout not in ("-", "layout") else "")
 
 
 CELL_LIMIT = 2000
