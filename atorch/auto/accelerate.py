@@ -16,6 +16,7 @@ from atorch.auto.plan import log_notes, plan_strategy, resolve_strategy
 from atorch.auto.registry import Stage, absorbed_methods, get_method
 from atorch.auto.strategy import Strategy, parse_strategy
 from atorch.distributed import env
+from atorch.errors import AtorchConfigError, MethodConfigError
 from atorch.loss.contract import counted_loss
 from atorch.loss.step import StepTokens
 from atorch.utils.log import logger
@@ -146,17 +147,38 @@ def auto_accelerate(
     if found is None:
         return False, None, None
     requested, loaded_notes, searched = found
-    if searched:
-        excluded = included = None  # already honoured by the search
-    strategy, notes = plan_strategy(requested, device_ctx, excluded, included, job=fit_job)
+    chosen = (None, None) if searched else (excluded, included)  # a search has honoured them already
+    strategy, notes = plan_strategy(requested, device_ctx, *chosen, job=fit_job)
     strategy = resolve_strategy(model, strategy, notes)
     log_notes(notes)
+    check_included(model, strategy, list(included or []), device_ctx, fit_job)
     if kwargs.get("search_only"):
         return True, None, strategy
     result = _applied(make_context(model), strategy, accumulation, bool(kwargs.get("verbose", False)),
                       save_strategy_to_file)
     result.notes = tuple(loaded_notes + notes)
     return True, result, strategy
+
+
+def check_included(model, strategy: Strategy, included: list[str], device_ctx, fit_job) -> None:
+    """Every method named in ``included`` is in the strategy that runs, or the call is refused
+    with why: named means applied or refused, never dropped in silence (a method that cannot run
+    on this job, changes nothing on this model, or conflicts with the pick)."""
+    missing = [name for name in included if name not in strategy]
+    if not missing:
+        return
+    reasons = []
+    for name in missing:
+        notes: list = []
+        try:
+            planned, notes = plan_strategy(strategy.with_method(name), device_ctx, job=fit_job)
+            resolve_strategy(model, planned, notes)
+        except AtorchConfigError as error:
+            notes.append(f"{name}: {error}")
+        reasons.append(next((n for n in notes if n.startswith(f"{name}:")),
+                            f"{name}: no candidate with it runs here (see the search report)"))
+    raise MethodConfigError(f"included {missing} cannot be applied to this job: {'; '.join(reasons)}; remove "
+                            f"{'them' if len(missing) > 1 else 'it'} from `included`, or change what the reason names")
 
 
 def _checked(model, optim_func, dataset, loss_func, prepare_input, model_input_format, optim_args, optim_param_func,
