@@ -26,7 +26,7 @@ from atorch.methods.pipeline_parallel import divisors, pipeline_ineligible, pipe
 from atorch.methods.pipeline_parallel import layouts as pipeline_layouts
 from atorch.methods.tensor_parallel import tensor_activations, tensor_ineligible, tensor_terms
 from atorch.parallel_layers.auto_shard import ShardingError, shard_model
-from atorch.pipeline.auto import PipelineFields, check_fields, pipeline_model
+from atorch.pipeline.auto import PipelineFields, check_fields, pipeline_model, with_stage_microbatches
 from atorch.pipeline.layouts import layout_for
 
 
@@ -69,7 +69,8 @@ def lay_out_dims(config: MixedParallelConfig, world_size: int, dims: list) -> tu
         if given.get(name, 1) > 1 and given[name] != size:
             raise MethodConfigError(f"parallel_mode's {name} dim is {given[name]} but mixed_parallel's {name}_size is "
                                     f"{size}; give the sizes in mixed_parallel only (parallel_mode data-only)")
-    config = config.model_copy(update={"tensor_size": tensor, "pipeline_size": pipeline})
+    config = with_stage_microbatches(config.model_copy(update={"tensor_size": tensor, "pipeline_size": pipeline}),
+                                     pipeline)
     return config, [("tensor", tensor), ("pipeline", pipeline), ("data", world_size // (tensor * pipeline))]
 
 

@@ -16,7 +16,7 @@ from atorch.auto.method_spec import LayoutJob, MethodSpec, Stage, register_metho
 from atorch.auto.step_cost import Comm
 from atorch.errors import AtorchConfigError
 from atorch.pipeline import pipeline_eligibility
-from atorch.pipeline.auto import PipelineFields, check_fields, pipeline_model
+from atorch.pipeline.auto import PipelineFields, check_fields, pipeline_model, with_stage_microbatches
 from atorch.pipeline.layouts import layout_for
 from atorch.pipeline.partition import balanced_ranges, ranges_from_cuts
 from atorch.pipeline.schedules import check_schedule
@@ -320,6 +320,12 @@ def pipeline_terms(cost, config: PipelineFields, stages: int) -> None:
     cost.charge("pipeline_parallel", m * v)
 
 
+def lay_out_dims(config: PipelineParallelConfig, world_size: int, dims: list) -> tuple[PipelineParallelConfig, list]:
+    """At plan time, with the pipeline dim known: the short form takes as many microbatches as
+    stages (``["parallel_mode", "pipeline_parallel"]`` on 4 ranks: 4 stages, 4 microbatches)."""
+    return with_stage_microbatches(config, dict(dims).get("pipeline", 1)), dims
+
+
 def cost_term(config: PipelineParallelConfig, cost) -> None:
     pipeline_terms(cost, config, cost.size("pipeline"))
 
@@ -341,6 +347,7 @@ register_method(
             **dict.fromkeys(("tensor_parallel", "sequence_parallel"), "tensor x pipeline is mixed_parallel; use it"),
         },
         resolve=resolve,
+        lay_out_dims=lay_out_dims,
         layouts=layouts,
         ineligible=ineligible,
         cost_term=cost_term,

@@ -29,6 +29,14 @@ class PipelineFields(MethodConfig):
         "loss); None: every tensor of the batch that the forward takes")
 
 
+def with_stage_microbatches(config: PipelineFields, stages: int) -> PipelineFields:
+    """The short form (``num_microbatches`` not given) with as many microbatches as pipeline
+    stages: the fewest that fill the pipeline (one microbatch left every stage but one idle)."""
+    if "num_microbatches" in config.model_fields_set or stages <= 1:
+        return config
+    return config.model_copy(update={"num_microbatches": stages})
+
+
 def check_fields(config: PipelineFields) -> None:
     """Schedule/virtual size combinations that cannot run, raised before anything is applied."""
     try:

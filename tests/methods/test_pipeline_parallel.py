@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from atorch.auto import Strategy
+from atorch.auto.environment import DeviceContext
 from tests.helpers.compare import FP32_RTOL, assert_losses_close
 from tests.helpers.dist import run_distributed
 from tests.pipeline.models import serial_losses, train_chain, train_pipelined
@@ -123,3 +124,20 @@ def test_a_pipeline_with_zero1_shards_each_stages_optimizer_state_and_matches_se
         assert rank["zero1"]["optimizer"] == "ZeroRedundancyOptimizer"
         assert_losses_close(rank["zero1"]["losses"], reference["losses"], FP32_RTOL)
         assert 0.3 < rank["zero1"]["state_numel"] / rank["plain"]["state_numel"] < 0.7
+
+
+def test_the_short_form_takes_as_many_microbatches_as_stages_and_a_given_count_stays():
+    """`pipeline_parallel` with no config derives what it needs once the pipeline dim is known:
+    one microbatch per stage (a single one left every stage but one idle); a count the user wrote
+    is kept, and mixed_parallel's short form does the same."""
+    from atorch.auto.plan import plan_strategy
+    from atorch.auto.strategy import parse_strategy
+
+    ranks = DeviceContext(4, 4, torch.device("cpu"), None, 2**34)
+    for written, microbatches in ((["parallel_mode", "pipeline_parallel"], 2),
+                                  (["parallel_mode", ("pipeline_parallel", {"num_microbatches": 1})], 1),
+                                  ([("parallel_mode", {"dims": [["pipeline", 4]]}), "pipeline_parallel"], 4),
+                                  (["parallel_mode", "mixed_parallel"], 2)):
+        strategy, _ = plan_strategy(parse_strategy(written), ranks)
+        layout = dict(strategy.items())["mixed_parallel" if "mixed_parallel" in strategy else "pipeline_parallel"]
+        assert layout.num_microbatches == microbatches, written
