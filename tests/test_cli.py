@@ -414,3 +414,17 @@ def test_plan_never_shows_a_peak_below_its_model_states(capsys):
     assert len(rows) >= 4 and any(figures[3] > 0 for figures in rows.values())  # fsdp gathers weights
     for label, figures in rows.items():
         assert figures[5] <= figures[7] + 0.01, (label, figures)
+
+
+def test_validate_reports_the_conflicts_of_a_method_whose_config_is_invalid_and_its_model_classes(tmp_path, capsys):
+    """A config typo hid the method's conflict (one rerun per fix), and a method in a conflict was
+    never checked against the model: every problem now comes in one run."""
+    pytest.importorskip("transformers")
+    path = _write(tmp_path / "hidden.json", [
+        {"name": "zero2", "config": {"bogus": 1}},  # invalid, and in conflict with fsdp
+        {"name": "fsdp", "config": {"atorch_wrap_cls": ["LlamaDecoderLayer"]}},  # in conflict, and not in GPT-2
+    ])
+    assert main(["validate", path, "--hf-config", _gpt2_config(tmp_path)]) == 2
+    err = _words(capsys.readouterr().err)
+    assert "3 problems" in err and "unknown field 'bogus'" in err
+    assert "'fsdp' and 'zero2' cannot be used together" in err and "LlamaDecoderLayer" in err

@@ -74,18 +74,13 @@ def check_strategy_file(
     source = str(path)
     entries, description = method_entries(read_strategy_file(path), f"strategy file {source!r}")
     check = StrategyCheck(source, description)
-    methods = []
-    for index, item in enumerate(entries, 1):
-        try:
-            name, raw = _split_item(item)
-            if name in [n for n, _ in methods]:
-                raise AtorchConfigError(f"method {name!r} appears twice in the strategy; keep one entry")
-            methods.append((name, make_config(name, raw)))
-        except AtorchConfigError as error:
-            check.problems.append(f"method {index}: {error}{_field_fix(item, str(error))}")
+    methods, invalid = _entries(entries, check.problems)
     check.strategy = Strategy(methods, description)
+    # A method whose config is invalid still takes part in the relations, at its default config:
+    # its conflicts are problems of their own (every problem in one run, not one per fix).
+    named = Strategy([*methods, *((name, make_config(name)) for name in invalid)], description)
     try:
-        check.problems += relation_problems(in_applied_order(check.strategy))
+        check.problems += relation_problems(in_applied_order(named))
     except AtorchConfigError as error:
         check.problems.append(str(error))
 
@@ -106,11 +101,40 @@ def check_strategy_file(
             target = planned
             if not check.problems:
                 check.planned, check.notes = planned, notes
-    if model is not None and len(target):
-        resolved = _resolve_each(model, target, check.problems)
+    if model is not None and len(check.strategy):
+        # every method meets the model, those left out of fitting (a conflict) as written
+        written = [(name, config) for name, config in check.strategy.items() if name not in target]
+        resolved = _resolve_each(model, Strategy([*target.items(), *written]), check.problems)
         if not check.problems:
             check.resolved = resolved
     return check
+
+
+def _entries(entries: list, problems: list[str]) -> tuple[list, list[str]]:
+    """The entries whose config validates, as ``(name, config)``, and the registered names whose
+    config does not; each entry's problem appended to ``problems``."""
+    methods, invalid = [], []
+    for index, item in enumerate(entries, 1):
+        name = None
+        try:
+            name, raw = _split_item(item)
+            if name in [n for n, _ in methods] or name in invalid:
+                raise AtorchConfigError(f"method {name!r} appears twice in the strategy; keep one entry")
+            methods.append((name, make_config(name, raw)))
+        except AtorchConfigError as error:
+            problems.append(f"method {index}: {error}{_field_fix(item, str(error))}")
+            if name is not None and name not in invalid and name not in [n for n, _ in methods] \
+                    and _registered(name):
+                invalid.append(name)
+    return methods, invalid
+
+
+def _registered(name: str) -> bool:
+    try:
+        get_method(name)
+    except AtorchConfigError:
+        return False
+    return True
 
 
 def _field_fix(item, message: str) -> str:
