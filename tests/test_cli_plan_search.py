@@ -214,3 +214,36 @@ def test_a_larger_global_batch_is_accumulated_not_paid_for_in_mfu():
     # the same candidate without accumulation is listed too, over memory
     over = [r for r in result["rows"] if r["strategy"] is best[64]["strategy"] and r["dims"]["accumulation"] == 1]
     assert over and over[0]["fits"] is False
+
+
+def test_fits_means_within_the_memory_less_its_reserve(tmp_path, capsys):
+    """A plan that fills a device to the last GiB would not run (a CUDA context, NCCL's buffers and
+    the allocator's fragmentation take several GiB): the profile's reserve (h100_80gb: 6 GiB, with
+    its source) is set aside, `--reserve` changes it, and the output says both."""
+    h100 = load_profile("h100_80gb")
+    assert h100.reserve == 6 * 2**30 and "NCCL" in h100.sources["reserve"]
+    config = _tiny_llama(tmp_path)
+    base = ["plan", "--search", "--profile", "h100_80gb", "--memory", "120MiB", "--hf-config", config,
+            "--world-size", "8", "--batch-size", "8", "--seq-len", "64", "--json"]
+    fitting = {}
+    for reserve in ("0", "60MiB"):
+        assert main([*base, "--reserve", reserve]) == 0
+        document = json.loads(capsys.readouterr().out)
+        usable = 120 * 2**20 - cost.parse_bytes(reserve)
+        assert document["usable_bytes"] == usable and document["reserve_bytes"] == cost.parse_bytes(reserve)
+        costed = [c for c in document["candidates"] if c["memory_bytes"] is not None]
+        assert all(c["fits"] == (c["memory_bytes"]["total"] <= usable) for c in costed)
+        fitting[reserve] = sum(c["fits"] for c in costed)
+    assert fitting["0"] > fitting["60MiB"] > 0
+    assert main([*base[:-1], "--reserve", "120MiB"]) == 2
+    assert "--reserve 0.1 GiB leaves nothing" in capsys.readouterr().err
+
+
+def test_exclude_adds_to_the_methods_always_left_out(tmp_path, capsys):
+    """`--exclude zero1` replaced the default exclusions (fp8, module_replace): every layout came
+    twice, once with module_replace, which changes nothing on the meta device."""
+    config = _tiny_llama(tmp_path, layers=2, hidden=128)
+    assert main(["plan", "--search", "--profile", "h100_80gb", "--hf-config", config, "--world-size", "2",
+                 "--batch-size", "2", "--seq-len", "32", "--exclude", "zero1", "--json"]) == 0
+    methods = {m for c in json.loads(capsys.readouterr().out)["candidates"] for m in c["methods"]}
+    assert methods and not methods & {"zero1", "module_replace", "fp8"}

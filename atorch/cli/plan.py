@@ -15,6 +15,10 @@ def add_parser(sub) -> None:
     plan.add_argument("--world-size", type=_count("--world-size", MAX_RANKS), default=None)
     plan.add_argument("--memory", type=_size, default=None,
                       help="memory per device (80GiB, 40GB, bytes); default 80GiB, or the profile's with --search")
+    plan.add_argument("--reserve", type=_reserve, default=None,
+                      help="memory per device that training cannot use (CUDA context, communication buffers, the "
+                           "allocator's fragmentation): 'fits' means within memory - reserve; default: the "
+                           "profile's with --search and no --memory (h100_80gb: 6GiB), else 0")
     plan.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     plan.add_argument("--batch-size", type=_count("--batch-size"), default=None,
                       help="global batch (sequences); leave out for model states only (weights, gradients, optimizer)")
@@ -24,7 +28,9 @@ def add_parser(sub) -> None:
     plan.add_argument("--optimizer", default="AdamW", help="a torch.optim class (AdamW, Adam, SGD, Adagrad, ...)")
     plan.add_argument("--accounting", default="atorch", choices=["atorch", "deepspeed"],
                       help="atorch: what atorch's methods hold; deepspeed: DeepSpeed's mixed-precision estimator")
-    plan.add_argument("--exclude", nargs="*", default=["fp8", "module_replace"])
+    plan.add_argument("--exclude", nargs="*", default=[],
+                      help=f"methods to leave out, beside those always left out ({', '.join(DEFAULT_EXCLUDED)}: not "
+                           "costed on the meta device)")
     plan.add_argument("--search", action="store_true",
                       help="rank the search's layouts (data x tensor x pipeline) and methods by estimated step time "
                            "on --profile's hardware")
@@ -36,6 +42,10 @@ def add_parser(sub) -> None:
                            "step time, MFU and reason) instead of the table")
     plan.set_defaults(func=cmd_plan)
 
+
+# Methods a plan always leaves out: fp8 and module_replace change nothing a meta-device probe sees
+# (their kernels), so each would list every layout a second time. --exclude adds to them.
+DEFAULT_EXCLUDED = ("fp8", "module_replace")
 
 # Ranks a plan may ask for: the layouts of a million ranks are listed in seconds; 10**12 took
 # minutes and gigabytes, scanning every divisor.
@@ -76,6 +86,31 @@ def _size(text: str) -> str:
     return text
 
 
+def _reserve(text: str) -> str:
+    """An argparse type for --reserve: a size of 0 or more, kept as written."""
+    import argparse
+    import math
+
+    from atorch.utils.sizes import parse_bytes
+
+    try:
+        value = float(parse_bytes(text))
+    except (ValueError, OverflowError):
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"--reserve takes a size of 0 or more such as 6GiB, got {text!r}")
+    return text
+
+
+def usable_memory(memory: int, reserve: int) -> int:
+    """What training may use of ``memory`` per device, ``reserve`` set aside; a reserve that leaves
+    nothing is refused by name."""
+    if reserve >= memory:
+        raise ValueError(f"--reserve {reserve / 2**30:.1f} GiB leaves nothing of the {memory / 2**30:.1f} GiB per device; "
+                         "give a smaller --reserve or a larger --memory")
+    return memory - reserve
+
+
 def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -104,13 +139,14 @@ def cmd_plan(args) -> int:
     missing = _missing(args)
     if missing:
         raise ValueError(f"atorch plan{' --search' if args.search else ''} needs " + ", ".join(missing))
+    args.exclude = sorted({*DEFAULT_EXCLUDED, *args.exclude})
     if args.search:
         from atorch.cli.plan_search import cmd_plan_search
 
         return cmd_plan_search(args)
     if args.memory is None:
         args.memory = "80GiB"
-    memory = cost.parse_bytes(args.memory)
+    memory = usable_memory(cost.parse_bytes(args.memory), cost.parse_bytes(args.reserve or 0))
     assumptions = Assumptions.make(args.accounting, args.dtype, args.optimizer)
     if args.batch_size is not None and args.batch_size % args.world_size:
         raise ValueError(f"--batch-size {args.batch_size} does not divide over {args.world_size} ranks")
@@ -124,7 +160,9 @@ def cmd_plan(args) -> int:
     else:
         rows = _candidate_rows(model, args, assumptions, memory)
         question = f"global batch {args.batch_size} x {args.seq_len} tokens"
-    print(f"{params / 1e9:.2f}B parameters, {args.world_size} x {args.device} with {args.memory} each, {question}")
+    reserved = f" ({args.reserve} reserved: {memory / 2**30:.1f} GiB usable)" if args.reserve else ""
+    print(f"{params / 1e9:.2f}B parameters, {args.world_size} x {args.device} with {args.memory} each{reserved}, "
+          f"{question}")
     for line in assumptions.describe():
         print(line)
     if args.batch_size is not None:

@@ -51,7 +51,7 @@ def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, st
     from atorch.auto.strategy import Strategy
     from atorch.distributed.topology import data_parallel_size
 
-    memory = profile.memory if memory is None else memory
+    memory = profile.memory - profile.reserve if memory is None else memory  # usable: less the reserve
     local = min(world, profile.gpus_per_node)
     device_ctx = DeviceContext(world, local, torch.device("cuda"), (9, 0), memory)
     # Module rewrites run as on the CPU; the probe's tensors stay on meta (see atorch/cli/plan.py).
@@ -242,9 +242,14 @@ def cmd_plan_search(args) -> int:
     from atorch.auto.search import cost
     from atorch.auto.search.profiles import load_profile
     from atorch.cli import plan_report
+    from atorch.cli.plan import usable_memory
 
     profile = load_profile(args.profile)  # the flags it needs were checked by atorch.cli.plan
-    memory = cost.parse_bytes(args.memory) if args.memory else profile.memory
+    capacity = cost.parse_bytes(args.memory) if args.memory else profile.memory
+    # the profile's reserve goes with the profile's memory; a --memory given is planned within as it is
+    reserve = (cost.parse_bytes(args.reserve) if args.reserve is not None
+               else 0 if args.memory else profile.reserve)
+    memory = usable_memory(capacity, reserve)  # what "fits" means
     assumptions = Assumptions.make("atorch", args.dtype, args.optimizer)
     _progress("atorch plan --search: building the model on the meta device ...")
     model = build_model(args, assumptions.dtype)
@@ -255,22 +260,24 @@ def cmd_plan_search(args) -> int:
     records = plan_report.records(result, args.world_size)
     if getattr(args, "json", False):
         header = {"estimated": True, "profile": profile.name, "parameters": params, "world_size": args.world_size,
-                  "global_batch": args.batch_size, "seq_len": args.seq_len}
+                  "global_batch": args.batch_size, "seq_len": args.seq_len, "memory_bytes": capacity,
+                  "reserve_bytes": reserve, "usable_bytes": memory}
         if note := plan_report.amp_note(args.exclude):
             header["notes"] = [" ".join(note.split())]
         print(json.dumps(plan_report.document(result, records, header), indent=1))
         return 0
-    _print(result, records, args, profile, params, assumptions)
+    _print(result, records, args, profile, params, assumptions, reserve)
     return 0
 
 
-def _print(result, records, args, profile, params, assumptions) -> None:
+def _print(result, records, args, profile, params, assumptions, reserve: int) -> None:
     from atorch.cli import plan_report
 
     counts, memory = result["counts"], result["memory"]
     nodes = math.ceil(args.world_size / profile.gpus_per_node)
     print(f"{params / 1e9:.3g}B parameters on {args.world_size} x {profile.name} ({nodes} node(s) of "
-          f"{profile.gpus_per_node}, {memory / GIB:.1f} GiB each), global batch {args.batch_size} x {args.seq_len} tokens")
+          f"{profile.gpus_per_node}, {(memory + reserve) / GIB:.1f} GiB each, {reserve / GIB:.1f} reserved: "
+          f"{memory / GIB:.1f} GiB usable), global batch {args.batch_size} x {args.seq_len} tokens")
     print(f"ESTIMATED, nothing measured: profile {profile.name}: bf16 {profile.peak('half') / 1e12:.1f} TFLOP/s peak x "
           f"{profile.sustained_fraction:g} sustained, NVLink {profile.intra_node.bandwidth / 1e9:.0f} GB/s, "
           f"InfiniBand {profile.inter_node.bandwidth / 1e9:.0f} GB/s per GPU (sources in the profile file)")

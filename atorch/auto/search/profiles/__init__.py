@@ -96,6 +96,9 @@ class HardwareProfile:
     # idle in a pipeline's bubble gives its share to the others (see StepCost.bubble_factor).
     # Calibration on a CPU measures it; 1 in a datasheet profile (a device a rank)
     ranks_per_core: float = 1.0
+    # bytes per device training cannot use (CUDA context, communication buffers, the allocator's
+    # fragmentation): a plan fits within memory - reserve
+    reserve: int = 0
 
     def peak(self, compute_dtype: str) -> float:
         """Peak dense FLOP/s for the cost model's compute dtype ("half" or "fp32")."""
@@ -155,6 +158,24 @@ def _ranks_per_core(data: dict, path: Path) -> float:
     if not (math.isfinite(value) and value >= 1):
         raise UnknownProfileError(f"hardware profile {path}: ranks_per_core is ranks sharing a core, at least 1, "
                                   f"not {value:g}")
+    return value
+
+
+def _reserve(data: dict, path: Path) -> int:
+    """The profile's ``reserve`` (a size, 0 when absent), which needs a source like the memory."""
+    from atorch.utils.sizes import parse_bytes
+
+    if "reserve" not in data:
+        return 0
+    try:
+        value = parse_bytes(data["reserve"])
+    except ValueError:
+        value = -1
+    if value is None or value < 0 or value >= parse_bytes(data["memory"]):
+        raise UnknownProfileError(f"hardware profile {path}: reserve is bytes per device that training cannot use, "
+                                  f"from 0 to below the memory, not {data['reserve']!r}")
+    if value and "reserve" not in data["sources"]:
+        raise UnknownProfileError(f"hardware profile {path} gives no source for ['reserve'] (write it in 'sources')")
     return value
 
 
@@ -223,5 +244,6 @@ def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwarePro
         memory_bandwidth=_memory_bandwidth(data, path),
         method_seconds=methods,
         ranks_per_core=_ranks_per_core(data, path),
+        reserve=_reserve(data, path),
         **host,
     )
