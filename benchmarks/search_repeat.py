@@ -3,6 +3,7 @@ measured candidate's readings (median throughput, range, the timed steps). What 
 column of search_quality.py counts, with the readings that decided it.
 
     .venv/bin/python benchmarks/search_repeat.py --scenario small --searches 5    # about 1 min
+    .venv/bin/python benchmarks/search_repeat.py --scenario gpt2-tied --searches 3 --nproc 2 --fresh --busy
 
 Searches a scenario of benchmarks/search_quality.py (its model, data and budget rule) on 4 gloo
 ranks, no search cache, 3 timed steps a dry run as search_quality gives it; no exhaustive run,
@@ -16,7 +17,9 @@ Writes benchmarks/results/search_repeat_<scenario>.{json,md}.
 """
 
 import argparse
+import contextlib
 import functools
+import os
 import sys
 import tempfile
 import warnings
@@ -89,10 +92,11 @@ def side_by_side(name: str, run: dict, blocks: int) -> dict[str, float]:
     return {label: statistics.median(values) for label, values in samples.items()}
 
 
-def calibrated_searches(name: str, count: int, report_dir: str, blocks: int) -> dict:
+def calibrated_searches(name: str, count: int, report_dir: str, blocks: int, calibrated: bool = True) -> dict:
     from atorch.auto.search.calibrate import calibrate
 
-    calibrate()  # the search estimates at this machine's rates (cached once)
+    if calibrated:
+        calibrate()  # the search estimates at this machine's rates (cached once)
     runs = searches(name, count, report_dir)
     return {"runs": runs, "side_by_side": side_by_side(name, runs[0], blocks) if blocks else None}
 
@@ -124,6 +128,28 @@ def _estimate_ms(measured: dict) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def _busy_core(busy: bool):
+    """Another process spinning on one core meanwhile (a shared machine), when ``busy``."""
+    if not busy:
+        yield
+        return
+    import multiprocessing
+
+    spinner = multiprocessing.get_context("spawn").Process(target=_spin, daemon=True)
+    spinner.start()
+    try:
+        yield
+    finally:
+        spinner.terminate()
+        spinner.join()
+
+
 def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenario", default="small", choices=sorted(search_quality.SCENARIOS))
@@ -132,12 +158,18 @@ def main(argv=None) -> str:
     p.add_argument("--side-by-side", type=int, default=0, metavar="BLOCKS",
                    help="time the first search's pick and its ties in BLOCKS interleaved blocks of 5 steps")
     p.add_argument("--out", default=None, help="default: benchmarks/results/search_repeat_<scenario>")
+    p.add_argument("--fresh", action="store_true", help="as a new user: an empty cache, no calibration (the "
+                   "search measures bf16's speedup itself)")
+    p.add_argument("--busy", action="store_true", help="another process keeps one core busy throughout")
     args = p.parse_args(argv)
     from atorch.distributed.local import run_local
 
-    with tempfile.TemporaryDirectory() as report_dir:
+    with tempfile.TemporaryDirectory() as report_dir, _busy_core(args.busy):
+        if args.fresh:
+            os.environ["ATORCH_CACHE_DIR"] = str(Path(report_dir) / "cache")
         found = run_local(functools.partial(calibrated_searches, args.scenario, args.searches, report_dir,
-                                            args.side_by_side), args.nproc, timeout_s=3600)[0]
+                                            args.side_by_side, not args.fresh), args.nproc, timeout_s=3600)[0]
+    found["conditions"] = {"fresh": args.fresh, "busy": args.busy}
     text = markdown(args.scenario, found["runs"], found["side_by_side"])
     harness.write(args.out or RESULTS / f"search_repeat_{args.scenario.replace('-', '_')}",
                   {"scenario": args.scenario, "nproc": args.nproc, **found}, text)
