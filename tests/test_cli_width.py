@@ -46,18 +46,21 @@ def test_a_search_report_fits_both_widths_with_every_name_whole(tmp_path, monkey
 
 def test_plan_with_a_batch_and_validate_fit_both_widths(monkeypatch, capsys):
     pytest.importorskip("transformers")
-    _rendered(["plan", "--hf-config", LLAMA, "--world-size", "64", "--memory", "80GiB", "--batch-size", "64",
-               "--seq-len", "128"], monkeypatch, capsys)
-    _rendered(["validate", str(ROOT / "strategies" / "zero2_checkpoint.json"), "--hf-config", LLAMA,
-               "--world-size", "8"], monkeypatch, capsys)
+    plan = _rendered(["plan", "--hf-config", LLAMA, "--world-size", "64", "--memory", "80GiB", "--batch-size", "64",
+                      "--seq-len", "128"], monkeypatch, capsys)
+    assert all("gradient_accumulation" in text and "fits" in text for text in plan.values())
+    checked = _rendered(["validate", str(ROOT / "strategies" / "zero2_checkpoint.json"), "--hf-config", LLAMA,
+                         "--world-size", "8"], monkeypatch, capsys)
+    assert all("valid" in text for text in checked.values())
 
 
 def test_plan_search_fits_both_widths(tmp_path, monkeypatch, capsys):
     from tests.test_cli_plan_search import _tiny_llama
 
     config = _tiny_llama(tmp_path)
-    _rendered(["plan", "--search", "--profile", "h100_80gb", "--memory", "60MiB", "--hf-config", config,
-               "--world-size", "8", "--batch-size", "8", "--seq-len", "64"], monkeypatch, capsys)
+    out = _rendered(["plan", "--search", "--profile", "h100_80gb", "--memory", "60MiB", "--hf-config", config,
+                     "--world-size", "8", "--batch-size", "8", "--seq-len", "64"], monkeypatch, capsys)
+    assert all("layouts that fit, fastest first" in text for text in out.values())
 
 
 def test_json_is_not_folded(tmp_path, monkeypatch, capsys):
