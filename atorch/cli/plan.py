@@ -102,15 +102,6 @@ def _reserve(text: str) -> str:
     return text
 
 
-def usable_memory(memory: int, reserve: int) -> int:
-    """What training may use of ``memory`` per device, ``reserve`` set aside; a reserve that leaves
-    nothing is refused by name."""
-    if reserve >= memory:
-        raise ValueError(f"--reserve {reserve / 2**30:.1f} GiB leaves nothing of the {memory / 2**30:.1f} GiB per device; "
-                         "give a smaller --reserve or a larger --memory")
-    return memory - reserve
-
-
 def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -146,7 +137,7 @@ def cmd_plan(args) -> int:
         return cmd_plan_search(args)
     if args.memory is None:
         args.memory = "80GiB"
-    memory = usable_memory(cost.parse_bytes(args.memory), cost.parse_bytes(args.reserve or 0))
+    memory = plan_report.usable_memory(cost.parse_bytes(args.memory), cost.parse_bytes(args.reserve or 0))
     assumptions = Assumptions.make(args.accounting, args.dtype, args.optimizer)
     if args.batch_size is not None and args.batch_size % args.world_size:
         raise ValueError(f"--batch-size {args.batch_size} does not divide over {args.world_size} ranks")

@@ -120,3 +120,12 @@ def document(result: dict, records_: list[dict], header: dict) -> dict:
             "flops_per_token": result["flops_per_token"], "candidates": records_,
             "ineligible": [{"layout": text, "reason": why} for text, why in result["ineligible"]],
             "nothing_fits": None if any(r["fits"] for r in records_) else nothing_fits(records_, result["memory"])}
+
+
+def usable_memory(memory: int, reserve: int) -> int:
+    """What training may use of ``memory`` per device, ``reserve`` set aside; a reserve that leaves
+    nothing is refused by name."""
+    if reserve >= memory:
+        raise ValueError(f"--reserve {reserve / 2**30:.1f} GiB leaves nothing of the {memory / 2**30:.1f} GiB per device; "
+                         "give a smaller --reserve or a larger --memory")
+    return memory - reserve

@@ -242,14 +242,13 @@ def cmd_plan_search(args) -> int:
     from atorch.auto.search import cost
     from atorch.auto.search.profiles import load_profile
     from atorch.cli import plan_report
-    from atorch.cli.plan import usable_memory
 
     profile = load_profile(args.profile)  # the flags it needs were checked by atorch.cli.plan
     capacity = cost.parse_bytes(args.memory) if args.memory else profile.memory
     # the profile's reserve goes with the profile's memory; a --memory given is planned within as it is
     reserve = (cost.parse_bytes(args.reserve) if args.reserve is not None
                else 0 if args.memory else profile.reserve)
-    memory = usable_memory(capacity, reserve)  # what "fits" means
+    memory = plan_report.usable_memory(capacity, reserve)  # what "fits" means
     assumptions = Assumptions.make("atorch", args.dtype, args.optimizer)
     _progress("atorch plan --search: building the model on the meta device ...")
     model = build_model(args, assumptions.dtype)
