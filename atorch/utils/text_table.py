@@ -74,16 +74,28 @@ def table(rows: Sequence[Sequence[str]], width: int, wrap: Sequence[int] = (), r
     if fill is not None:
         least[fill] = min(natural[fill], max(least[fill], fill_min))
     widths = list(natural)
-    while sum(widths) + len(GAP) * (count - 1) > width:
-        room = [i for i in shrinkable if widths[i] > least[i]]
-        if not room:
-            break
-        # the fill column gives way first, then the widest wrapping column
-        widest = fill if fill in room else max(room, key=lambda i: widths[i] - least[i])
-        widths[widest] -= 1
+    # the fill column gives way first, down to a readable width; then the wrapping columns, the
+    # widest first, to their longest word; then the fill column to its own
+    if fill is not None:
+        _shrink(widths, [fill], {fill: max(least[fill], min(natural[fill], FILL_READABLE))}, width)
+    _shrink(widths, list(wrap), least, width)
+    _shrink(widths, list(shrinkable), least, width)
     if title and sum(widths) + len(GAP) * (count - 1) > width:
         return stacked(rows, width, title, title_text)
-    return [line for row in rows for line in _row_lines(row, widths, shrinkable, set(right))]
+    return [line for row in rows for line in _row_lines(row, widths, set(wrap), set(right), fill)]
+
+
+# The width a wrapping reason keeps before the name columns give way.
+FILL_READABLE = 40
+
+
+def _shrink(widths: list[int], columns: list[int], floor, width: int) -> None:
+    """Narrow ``columns`` (the widest above its ``floor`` first) until the row fits ``width``."""
+    while sum(widths) + len(GAP) * (len(widths) - 1) > width:
+        room = [i for i in columns if widths[i] > floor[i]]
+        if not room:
+            return
+        widths[max(room, key=lambda i: widths[i] - floor[i])] -= 1
 
 
 def stacked(rows: Sequence[Sequence[str]], width: int, title: Sequence[int],
@@ -99,8 +111,12 @@ def stacked(rows: Sequence[Sequence[str]], width: int, title: Sequence[int],
     return lines
 
 
-def _row_lines(row: Sequence[str], widths: list[int], wrapping: set[int], right: set[int]) -> list[str]:
-    cells = [wrap_cell(cell, w) if i in wrapping else [cell] for i, (cell, w) in enumerate(zip(row, widths))]
+def _row_lines(row: Sequence[str], widths: list[int], wrapping: set[int], right: set[int],
+               fill: int | None = None) -> list[str]:
+    """A row's lines: names and layouts fold at their separators, the fill column (prose) at spaces."""
+    cells = [wrap_cell(cell, w) if i in wrapping
+             else (textwrap.wrap(cell, w, break_long_words=False, break_on_hyphens=False) or [""]) if i == fill
+             else [cell] for i, (cell, w) in enumerate(zip(row, widths))]
     lines = []
     for k in range(max(len(cell) for cell in cells)):
         parts = []
