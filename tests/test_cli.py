@@ -34,7 +34,8 @@ def test_explain(tmp_path, capsys):
     from atorch.auto.search.report import CandidateResult, SearchReport
 
     report = SearchReport(2, "cpu", 2**30, [CandidateResult({"methods": [{"name": "parallel_mode"}]}, "measured",
-                                                             1000, None, 900, 12.5)], winner=0)
+                                                             estimated_peak_bytes=1000, measured_peak_bytes=900,
+                                                             throughput=12.5)], winner=0)
     report.save(tmp_path / "r.json")
     assert main(["explain", str(tmp_path / "r.json")]) == 0
     assert "parallel_mode" in capsys.readouterr().out

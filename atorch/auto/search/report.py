@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from atorch.auto.search.candidate import FAILED, MEASURED, PRUNED, CandidateResult  # noqa: F401 - their old home
+from atorch.auto.search.report_schema import check_report
 from atorch.utils.files import write_text_atomic
 from atorch.utils.sizes import size_text  # noqa: F401 - its old home
 from atorch.utils.text_table import fold, output_width, table
@@ -52,6 +53,9 @@ class SearchReport:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SearchReport":
+        """A report from its JSON, every field checked (report_schema.py): a wrong one is a
+        ValueError naming it."""
+        check_report(cls, CandidateResult, data)
         data = dict(data)
         data["candidates"] = [CandidateResult(**c) for c in data.get("candidates", [])]
         return cls(**data)
