@@ -429,3 +429,19 @@ def test_validate_reports_the_conflicts_of_a_method_whose_config_is_invalid_and_
     err = _words(capsys.readouterr().err)
     assert "3 problems" in err and "unknown field 'bogus'" in err
     assert "'fsdp' and 'zero2' cannot be used together" in err and "LlamaDecoderLayer" in err
+
+
+def test_more_bad_flags_are_refused_by_name(capsys):
+    """`validate --world-size 0` printed "valid ... on 0 x cuda", `calibrate --threads 0` measured,
+    `plan --exclude zero9` excluded nothing in silence, and `plan --model nomodule:fn` ended in a
+    traceback."""
+    for argv in (["validate", "strategies/zero2_checkpoint.json", "--world-size", "0"],
+                 ["calibrate", "--nproc", "1", "--threads", "0"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and "takes a positive whole number" in capsys.readouterr().err
+    llama = "docs/plans/llama7b.json"
+    assert main(["plan", "--hf-config", llama, "--world-size", "8", "--exclude", "zero9"]) == 2
+    assert "unknown method 'zero9'. Did you mean" in capsys.readouterr().err
+    assert main(["plan", "--model", "nomodule:fn", "--world-size", "8"]) == 2
+    assert "--model 'nomodule:fn': ModuleNotFoundError" in capsys.readouterr().err

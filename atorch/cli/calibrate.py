@@ -12,6 +12,8 @@ The search reads them from a cache kept per device type and world size (see
 import json
 import os
 
+from atorch.cli.common import positive_int
+
 
 def add_parser(sub) -> None:
     calibrate = sub.add_parser("calibrate", help="measure this machine's matmul and collective rates for the search "
@@ -20,7 +22,7 @@ def add_parser(sub) -> None:
                            "ignored under torchrun, which gives the ranks)")
     calibrate.add_argument("--device", choices=("cpu", "cuda"), default=None,
                            help="default: cuda when available (NCCL), else cpu (gloo)")
-    calibrate.add_argument("--threads", type=int, default=None,
+    calibrate.add_argument("--threads", type=positive_int("--threads"), default=None,
                            help="CPU threads per rank (default: 1 with more than one rank, as torchrun sets)")
     calibrate.add_argument("--refresh", action="store_true", help="measure again even if a calibration is cached")
     calibrate.add_argument("--cache-dir", default=None, help="where calibrations are kept (default "

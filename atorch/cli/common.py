@@ -128,8 +128,36 @@ def build_model(args, dtype=None):
         module_name, _, function = args.model.partition(":")
         if not function:
             raise ValueError("--model takes module:function (a function that returns the model)")
+        try:
+            make = getattr(importlib.import_module(module_name), function)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"--model {args.model!r}: {type(error).__name__}: {error} (give module:function, the module "
+                             "importable from here, the function returning the model)") from None
         with torch.device("meta"):
-            model = getattr(importlib.import_module(module_name), function)()
+            model = make()
     else:
         return None
     return model.to(dtype) if dtype is not None else model
+
+
+# Ranks a plan may ask for: the layouts of a million ranks are listed in seconds; 10**12 took
+# minutes and gigabytes, scanning every divisor.
+MAX_RANKS = 2**20
+
+
+def positive_int(flag: str, most: int | None = None):
+    """An argparse type: a positive int (at most ``most``), refused by name otherwise."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a positive whole number, got {text!r}") from None
+        if value < 1 or (most is not None and value > most):
+            bound = f" (at most {most})" if most is not None else ""
+            raise argparse.ArgumentTypeError(f"{flag} takes a positive whole number{bound}, got {value}")
+        return value
+
+    return parse
+

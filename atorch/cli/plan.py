@@ -4,7 +4,7 @@ behind it (bytes per parameter, activation dtype) are printed above the table.""
 
 import sys
 
-from atorch.cli.common import add_model_flags, build_model, startup_done
+from atorch.cli.common import MAX_RANKS, add_model_flags, build_model, positive_int, startup_done
 
 GIB = 2**30
 
@@ -47,26 +47,10 @@ def add_parser(sub) -> None:
 # (their kernels), so each would list every layout a second time. --exclude adds to them.
 DEFAULT_EXCLUDED = ("fp8", "module_replace")
 
-# Ranks a plan may ask for: the layouts of a million ranks are listed in seconds; 10**12 took
-# minutes and gigabytes, scanning every divisor.
-MAX_RANKS = 2**20
 
 
 def _count(flag: str, most: int | None = None):
-    """An argparse type: a positive int (at most ``most``), refused by name otherwise."""
-    import argparse
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes a positive whole number, got {text!r}") from None
-        if value < 1 or (most is not None and value > most):
-            bound = f" (at most {most})" if most is not None else ""
-            raise argparse.ArgumentTypeError(f"{flag} takes a positive whole number{bound}, got {value}")
-        return value
-
-    return parse
+    return positive_int(flag, most)
 
 
 def _size(text: str) -> str:
@@ -131,6 +115,10 @@ def cmd_plan(args) -> int:
     if missing:
         raise ValueError(f"atorch plan{' --search' if args.search else ''} needs " + ", ".join(missing))
     args.exclude = sorted({*DEFAULT_EXCLUDED, *args.exclude})
+    from atorch.auto.registry import get_method
+
+    for name in args.exclude:
+        get_method(name)  # an unknown name is refused with the registered ones (it excluded nothing)
     if args.search:
         from atorch.cli.plan_search import cmd_plan_search
 

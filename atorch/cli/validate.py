@@ -3,14 +3,14 @@ strategy file at once, against a model when given one."""
 
 import sys
 
-from atorch.cli.common import add_model_flags, build_model
+from atorch.cli.common import MAX_RANKS, add_model_flags, build_model, positive_int
 
 
 def add_parser(sub) -> None:
     validate = sub.add_parser(
         "validate", help="check a strategy file: every problem at once, against a model when given one")
     validate.add_argument("file")
-    validate.add_argument("--world-size", type=int, default=None,
+    validate.add_argument("--world-size", type=positive_int("--world-size", MAX_RANKS), default=None,
                           help="also fit the file to N ranks (conflicts are refused at any world size)")
     validate.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     add_model_flags(validate)
