@@ -250,3 +250,29 @@ def test_exclude_adds_to_the_methods_always_left_out(tmp_path, capsys):
                  "--batch-size", "2", "--seq-len", "32", "--exclude", "zero1", "--json"]) == 0
     methods = {m for c in json.loads(capsys.readouterr().out)["candidates"] for m in c["methods"]}
     assert methods and not methods & {"zero1", "module_replace", "fp8"}
+
+
+def test_advice_when_nothing_fits_is_what_the_plan_itself_then_fits():
+    """A bf16 70B on 8 ranks was told a smaller micro-batch would help, though its total stayed at
+    80.3 GiB from 8 to 32 microbatches: its peak is the optimizer step's. The advice now says so,
+    names the ranks that would fit it, and the plan on that many ranks does fit it."""
+    import argparse
+    from pathlib import Path
+
+    from atorch.cli import plan_report
+    from atorch.cli.common import build_model
+    from atorch.cli.plan_search import plan_search
+
+    pytest.importorskip("transformers")
+    config = Path(__file__).resolve().parents[1] / "docs" / "plans" / "llama70b.json"
+    model = build_model(argparse.Namespace(hf_config=str(config), model=None), torch.bfloat16)
+
+    def plan(world: int) -> list[dict]:
+        result = plan_search(model, world, 32, 4096, load_profile("h100_80gb"), 2.0, ["fp8", "module_replace"])
+        return plan_report.records(result, world)
+
+    advice = plan_report.nothing_fits(plan(8), 74 * 2**30)
+    assert "optimizer step's" in advice and "a smaller batch would not help" in advice
+    assert "smaller micro-batch" not in advice
+    ranks = int(re.search(r"; (\d+) ranks \(", advice).group(1))
+    assert ranks > 8 and any(r["fits"] for r in plan(ranks))

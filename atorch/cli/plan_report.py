@@ -90,7 +90,8 @@ def states_bytes(terms: dict) -> int:
 
 
 def nothing_fits(records_: list[dict], memory: int) -> str:
-    """Why nothing fits, naming the smallest candidate and only changes that would lower it."""
+    """Why nothing fits, naming the smallest candidate and only changes the plan's own numbers say
+    would lower it below ``memory``."""
     costed = [r for r in records_ if r["memory_bytes"] is not None]
     if not costed:
         return "nothing could be costed; the reasons are listed per candidate (--json)"
@@ -102,16 +103,64 @@ def nothing_fits(records_: list[dict], memory: int) -> str:
     if states > memory:
         return (f"{head}, whose model states alone (weights, gradients, optimizer state) are {states / GIB:.1f} GiB "
                 "per rank: only more ranks to shard them over, a smaller model or less state (an optimizer with "
-                "fewer states, a 16-bit model) would help; a smaller batch would not")
-    rest = terms["total"] - states
-    micro = smallest.get("per_rank_batch", 1) // smallest["layout"].get("accumulation", 1)
-    if micro > 1:
-        change = (f"a smaller micro-batch (each data rank runs {micro} sequences at once: a smaller global batch, or "
-                  "one that more accumulation steps divide), a shorter sequence or more ranks would lower it")
-    else:
-        change = ("each data rank already runs one sequence at a time (with gradient accumulation): a shorter "
-                  "sequence or more ranks would lower it")
-    return f"{head}, of which {rest / GIB:.1f} GiB are activations and what the step holds with them; {change}"
+                f"fewer states, a 16-bit model) would help; a smaller batch would not{_more_ranks(smallest, memory)}")
+    sequences = _sequences_at_once(smallest)
+    one = terms.get("activations", 0) / sequences  # the activations of one sequence at a time
+    floor = _peak_with(terms, one)
+    held = f", of which {(terms['total'] - states) / GIB:.1f} GiB are activations and what the step holds with them"
+    if floor <= memory:
+        return (f"{head}{held}; a smaller micro-batch (each {'microbatch' if _pipelined(smallest) else 'data rank'} "
+                f"runs {sequences} sequences at once: a smaller global batch, or more accumulation steps or "
+                "microbatches), a shorter sequence or more ranks would lower it")
+    if _step_peak(terms, one):
+        return (f"{head}; its peak is the optimizer step's (weights, optimizer state, gradients and the step's "
+                f"temporaries: {floor / GIB:.1f} GiB at one sequence at a time), so a smaller batch would not help"
+                f"{_more_ranks(smallest, memory)}")
+    already = ("each data rank already runs one sequence at a time" if sequences == 1
+               else f"one sequence at a time would still hold {floor / GIB:.1f} GiB")
+    return (f"{head}{held}; {already}: a shorter sequence, activation checkpointing or a split of the model "
+            "(tensor, pipeline) that divides its activations would lower it")
+
+
+def _pipelined(record: dict) -> bool:
+    return record["layout"].get("pipeline", 1) > 1 or record["layout"].get("microbatches", 1) > 1
+
+
+def _sequences_at_once(record: dict) -> int:
+    """Sequences one forward of the candidate runs: its per-rank batch over the accumulation steps
+    and the pipeline's microbatches."""
+    layout = record["layout"]
+    return max(1, record.get("per_rank_batch", 1) // layout.get("accumulation", 1) // layout.get("microbatches", 1))
+
+
+def _peak_with(terms: dict, activations: float, divide: float = 1.0) -> float:
+    """The peak's formula (cost.MemoryEstimate.total) with ``activations``, and the gradients,
+    optimizer state and step temporaries divided by ``divide`` (sharded over that many ranks)."""
+    get = terms.get
+    return (get("params", 0) + get("optim_state", 0) / divide + get("buckets", 0)
+            + max(get("gathered", 0) + activations + get("backward_grads", 0) / divide,
+                  (get("grads", 0) + get("step_temp", 0)) / divide, (get("grads", 0) + get("reduce_temp", 0)) / divide))
+
+
+def _step_peak(terms: dict, activations: float) -> bool:
+    """Whether the peak is the optimizer step's (or the gradients' reduction), not forward's and
+    backward's, with ``activations``."""
+    get = terms.get
+    return get("grads", 0) + max(get("step_temp", 0), get("reduce_temp", 0)) >= \
+        get("gathered", 0) + activations + get("backward_grads", 0)
+
+
+def _more_ranks(record: dict, memory: int) -> str:
+    """How many more ranks, sharding gradients and optimizer state over a data dim (zero2), the
+    plan's own numbers say would bring the candidate within ``memory``."""
+    terms, world = record["memory_bytes"], record["layout"].get("data", 1) * record["layout"].get("tensor", 1) \
+        * record["layout"].get("pipeline", 1)
+    activations = terms.get("activations", 0) / _sequences_at_once(record)
+    for data in (2, 4, 8, 16, 32, 64):
+        if _peak_with(terms, activations, data) <= memory:
+            return (f"; {world * data} ranks ({data} times these) sharding or splitting its gradients and optimizer "
+                    f"state would bring it to about {_peak_with(terms, activations, data) / GIB:.1f} GiB")
+    return "; even 64 times the ranks would not: its weights alone need a split of the model or a smaller one"
 
 
 def document(result: dict, records_: list[dict], header: dict) -> dict:
