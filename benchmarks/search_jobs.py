@@ -3,6 +3,7 @@ models that are not Llamas, each built from a config (nothing is downloaded):
 
 - ``bert``: a BERT masked LM (an encoder: learned positions, post-norm, GELU, untied head bias);
 - ``gpt2``: a GPT-2 LM, its head tied to the token embedding (one weight, two uses);
+- ``bert-cls``: a BERT sequence classifier (4 classes, one label a sequence);
 - ``mlp``: a parameter-heavy residual MLP (blocks of LayerNorm and a 4x-wide MLP, as ResMLP
   writes them) on ``(input, target)`` batches (``model_input_format="input_target"``): wide layers
   on few samples, so weights, gradients and Adam's state dominate the step's memory. Until
@@ -79,6 +80,33 @@ def build_mlp(size: Size, seed: int = 0) -> torch.nn.Module:
     return ResidualMLP(size)
 
 
+def build_bert_classifier(size: Size, seed: int = 0) -> torch.nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=size.vocab, hidden_size=size.hidden, num_hidden_layers=size.layers, num_attention_heads=size.heads,
+        intermediate_size=4 * size.hidden, max_position_embeddings=size.seq, num_labels=CLASSES,
+        attn_implementation="sdpa"))
+
+
+CLASSES = 4
+
+
+class Sentences(Dataset):
+    """Token sequences and a class each (the class: the first token mod CLASSES), from a seed."""
+
+    def __init__(self, size: Size, n: int = 4096, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, size.vocab, (n, size.seq), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.tokens[i], "labels": self.tokens[i, 0] % CLASSES}
+
+
 class Features(Dataset):
     """``(input, target)`` pairs: ``size.seq`` random features and a class out of ``size.vocab``."""
 
@@ -111,4 +139,5 @@ JOBS = {
     "bert": Job(build_bert, Tokens, loss_func, "unpack_dict"),
     "gpt2": Job(build_gpt2, Tokens, loss_func, "unpack_dict"),
     "mlp": Job(build_mlp, Features, class_loss, "input_target"),
+    "bert-cls": Job(build_bert_classifier, Sentences, loss_func, "unpack_dict"),
 }
