@@ -134,12 +134,16 @@ def _sequences_at_once(record: dict) -> int:
 
 
 def _peak_with(terms: dict, activations: float, divide: float = 1.0) -> float:
-    """The peak's formula (cost.MemoryEstimate.total) with ``activations``, and the gradients,
+    """The peak (cost.MemoryEstimate.total) of ``terms`` with ``activations``, and the gradients,
     optimizer state and step temporaries divided by ``divide`` (sharded over that many ranks)."""
+    from atorch.auto.step_cost import MemoryEstimate
+
     get = terms.get
-    return (get("params", 0) + get("optim_state", 0) / divide + get("buckets", 0)
-            + max(get("gathered", 0) + activations + get("backward_grads", 0) / divide,
-                  (get("grads", 0) + get("step_temp", 0)) / divide, (get("grads", 0) + get("reduce_temp", 0)) / divide))
+    return MemoryEstimate(params=get("params", 0), grads=get("grads", 0) / divide,
+                          optim_state=get("optim_state", 0) / divide, gathered=get("gathered", 0),
+                          activations=activations, step_temp=get("step_temp", 0) / divide,
+                          backward_grads=get("backward_grads", 0) / divide, buckets=get("buckets", 0),
+                          reduce_temp=get("reduce_temp", 0) / divide).total
 
 
 def _step_peak(terms: dict, activations: float) -> bool:
