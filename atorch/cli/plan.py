@@ -12,7 +12,7 @@ GIB = 2**30
 def add_parser(sub) -> None:
     plan = sub.add_parser("plan", help="estimate per-rank memory (GiB) of candidate strategies, with no hardware")
     add_model_flags(plan)  # required, as --world-size is: _missing reports every missing flag at once
-    plan.add_argument("--world-size", type=_count("--world-size", MAX_RANKS), default=None)
+    plan.add_argument("--world-size", type=positive_int("--world-size", MAX_RANKS), default=None)
     plan.add_argument("--memory", type=_size, default=None,
                       help="memory per device (80GiB, 40GB, bytes); default 80GiB, or the profile's with --search")
     plan.add_argument("--reserve", type=_reserve, default=None,
@@ -20,9 +20,9 @@ def add_parser(sub) -> None:
                            "allocator's fragmentation): 'fits' means within memory - reserve; default: the "
                            "profile's with --search and no --memory (h100_80gb: 6GiB), else 0")
     plan.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    plan.add_argument("--batch-size", type=_count("--batch-size"), default=None,
+    plan.add_argument("--batch-size", type=positive_int("--batch-size"), default=None,
                       help="global batch (sequences); leave out for model states only (weights, gradients, optimizer)")
-    plan.add_argument("--seq-len", type=_count("--seq-len"), default=2048)
+    plan.add_argument("--seq-len", type=positive_int("--seq-len"), default=2048)
     plan.add_argument("--dtype", default=None,
                       help="atorch accounting: the model's dtype (default float32); deepspeed: the 16-bit dtype (default bf16)")
     plan.add_argument("--optimizer", default="AdamW", help="a torch.optim class (AdamW, Adam, SGD, Adagrad, ...)")
@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
                            "on --profile's hardware")
     plan.add_argument("--profile", default=None,
                       help="with --search: a hardware profile name (atorch/auto/search/profiles) or JSON file")
-    plan.add_argument("--top", type=_count("--top"), default=10, help="with --search: how many layouts to print")
+    plan.add_argument("--top", type=positive_int("--top"), default=10, help="with --search: how many layouts to print")
     plan.add_argument("--json", action="store_true",
                       help="with --search: print one JSON document (every candidate with its layout, memory terms, "
                            "step time, MFU and reason) instead of the table")
@@ -47,10 +47,6 @@ def add_parser(sub) -> None:
 # (their kernels), so each would list every layout a second time. --exclude adds to them.
 DEFAULT_EXCLUDED = ("fp8", "module_replace")
 
-
-
-def _count(flag: str, most: int | None = None):
-    return positive_int(flag, most)
 
 
 def _size(text: str) -> str:

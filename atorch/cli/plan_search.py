@@ -132,9 +132,10 @@ class _MetaProbe:
 
 
 def _row_of(strategy, dims: dict, dp: int, global_batch: int) -> dict:
+    from atorch.auto.search.estimate import layout_config
     from atorch.auto.search.space import layout_text, method_labels
 
-    config = _layout_config(strategy) or {}
+    config = layout_config(strategy) or {}
     return {"strategy": strategy, "layout": layout_text(dims.items(), config),
             "names": [n for n in method_labels(strategy.items()) if n != "parallel_mode"],
             "dims": {"data": dp, "tensor": dims.get("tensor", 1), "pipeline": dims.get("pipeline", 1),
@@ -224,15 +225,6 @@ def _costed(row: dict, model, strategy, dims, steps, state_factor, probe, profil
     row.update(memory=estimate.total, terms=estimate.as_dict(), seconds=seconds, tokens_per_s=tokens_per_s,
                mfu=flops_per_token * tokens_per_s / (world * profile.peak("half")), fits=estimate.total <= memory)
     return row
-
-
-def _layout_config(strategy) -> dict | None:
-    from atorch.auto.registry import get_method
-
-    for name, config in strategy.items():
-        if get_method(name).layouts is not None:
-            return config.model_dump()
-    return None
 
 
 def cmd_plan_search(args) -> int:

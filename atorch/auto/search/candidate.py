@@ -56,6 +56,11 @@ class CandidateResult:
 
         return method_labels((m["name"], m.get("config") or {}) for m in self.strategy["methods"])
 
+    @property
+    def name(self) -> str:
+        """The candidate as the report and the progress lines name it: its labels and its layout."""
+        return (" + ".join(self.labels) or "(plain)") + (f" [{self.layout}]" if self.layout else "")
+
 # Why a candidate was pruned, as counted in the report (SearchReport.pruned); stop.py adds
 # cannot_fit and cannot_win, space.py counts conflicting.
 INELIGIBLE, SYMMETRIC, CONFIG_ERROR, OVER_BUDGET_RULE = "ineligible", "symmetric", "config_error", "over_budget"

@@ -6,7 +6,7 @@ import statistics
 
 from atorch.auto.search.agree import all_ok, from_rank0
 from atorch.auto.search.candidate import MEASURED
-from atorch.auto.search.dryruns import judge, measure, progress_name, reading, record
+from atorch.auto.search.dryruns import judge, measure, reading, record
 from atorch.auto.search.sidebyside import MAX_TURNS, TURN_STEPS, behind_bands, fits_together, time_side_by_side
 from atorch.auto.search.state import SearchRun
 from atorch.utils.log import logger, quiet
@@ -68,7 +68,7 @@ def _retime(run: SearchRun) -> None:
             remaining = run.time_left()
             if not from_rank0(remaining is None or remaining >= run.last_seconds):
                 return  # out of time
-            run.say(f"search: timing {progress_name(strategy, result)} again (a close call)")
+            run.say(f"search: timing {result.name} again (a close call)")
             outcome = measure(run, strategy, result, run.options.timed_steps, run.options.dryrun_timeout, remaining)
             if outcome["reason"] is not None or outcome["timed_steps"] < run.options.timed_steps:
                 continue  # the readings so far stand
@@ -101,7 +101,7 @@ def _fastest(result) -> float:
 def side_by_side(run: SearchRun, close: list) -> bool:
     """Time the close call's candidates side by side (sidebyside.py): each keeps its samples/s
     there (``side_by_side``), which then decides. Whether it ran."""
-    names = "; ".join(progress_name(s, r) for s, r in close)
+    names = "; ".join(r.name for _, r in close)
     run.say(f"search: timing {names} side by side (a close call)")
     with quiet():
         outcome = time_side_by_side(run.model, [s for s, _ in close], run.make_context, run.apply,

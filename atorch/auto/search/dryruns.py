@@ -10,7 +10,6 @@ from atorch.auto.search.candidate import FAILED, MAX_DRYRUNS, MEASURED, TIME_LIM
 from atorch.auto.search.dryrun import dry_run
 from atorch.auto.search.estimate import layout_dims
 from atorch.auto.search.prune import prune_twins
-from atorch.auto.search.space import method_labels
 from atorch.auto.search.state import SearchOptions, SearchRun
 from atorch.auto.strategy import Strategy
 from atorch.distributed.topology import DATA_PARALLEL_DIMS
@@ -55,12 +54,6 @@ def is_baseline(strategy: Strategy, world_size: int) -> bool:
         name in DATA_PARALLEL_DIMS for name in layout_dims(strategy, world_size))
 
 
-def progress_name(strategy: Strategy, result) -> str:
-    """A candidate as the progress lines name it: as the report's rows do (``gradient_accumulation
-    x2``, ``checkpoint (selective)``) with its layout, so two lines never read the same."""
-    return (" + ".join(method_labels(strategy.items())) or "(plain)") + (f" [{result.layout}]" if result.layout else "")
-
-
 def measure(run: SearchRun, strategy: Strategy, result, steps: int, timeout: float, remaining: float | None) -> dict:
     """One dry run of ``steps`` timed steps, stopped at the time limit; its seconds are added to
     the candidate's, and the next candidate starts only if one as long fits the time left."""
@@ -95,7 +88,7 @@ def run_dry_runs(run: SearchRun, to_run: list, reserve: list) -> int:
         ran += 1
         slots = min(options.max_dryruns, len(to_run) + len(reserve))
         bar = "#" * ran + "-" * max(0, slots - ran)
-        run.say(f"search [{bar}] {ran}/{slots}: dry-running {progress_name(strategy, result)}")
+        run.say(f"search [{bar}] {ran}/{slots}: dry-running {result.name}")
         outcome = measure(run, strategy, result, options.timed_steps,
                           options.dryrun_timeout - run.estimate_seconds.get(id(strategy), 0.0), remaining)
         _take(run, strategy, result, outcome)

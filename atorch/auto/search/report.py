@@ -144,8 +144,7 @@ class SearchReport:
         return f"{c.estimated_step_seconds * 1e3:.2f}ms/step"
 
     def _name(self, index: int) -> str:
-        c = self.candidates[index]
-        return (" + ".join(c.labels) or "(plain)") + (f" [{c.layout}]" if c.layout else "")
+        return self.candidates[index].name
 
     def _tie_line(self) -> list[str]:
         together = sorted((i for i, c in enumerate(self.candidates) if c.status == MEASURED and c.side_by_side),
