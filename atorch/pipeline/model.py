@@ -200,9 +200,16 @@ class PipelineModel(nn.Module):
 
     # The optimizer's view: only what this rank holds.
     def local_named_parameters(self, prefix: str = "", recurse: bool = True):
-        """``(name, parameter)`` of this rank's stages, named as in the user's module."""
+        """``(name, parameter)`` of this rank's stages, named as in the user's module; a weight two
+        local units share (a tied embedding and head on one rank) once, under its first name, as
+        ``nn.Module.named_parameters`` does: listed twice, the optimizer stepped it twice and the
+        data ranks' all-reduce scaled its gradient twice."""
+        seen: set[int] = set()
         for name in self.local_units:
-            yield from self._module[0].get_submodule(name).named_parameters(prefix=f"{prefix}{name}")
+            for pname, param in self._module[0].get_submodule(name).named_parameters(prefix=f"{prefix}{name}"):
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield pname, param
 
     def local_parameters(self):
         """This rank's parameters, for the optimizer."""
