@@ -48,6 +48,16 @@ class RNGStatesTracker:
         _set_state(saved)
 
     @contextlib.contextmanager
+    def kept(self):
+        """Run the block and put every stream back as it was (what ``torch.random.fork_rng`` does
+        for the default stream): a pass that only infers shapes must not move them."""
+        saved = {name: state.clone() for name, state in self.states.items()}
+        try:
+            yield
+        finally:
+            self.states = saved
+
+    @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG):
         """Run the block on stream ``name``; the default stream is as it was afterwards."""
         if name not in self.states:

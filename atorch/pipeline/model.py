@@ -137,8 +137,7 @@ class PipelineModel(nn.Module):
                 stage_transform(stage_module)
                 _write_back(module, self.stage_units[index], stage_module)
             self.stage_modules.append(stage_module)
-            stages.append(PipelineStage(stage_module, index, self.num_stages, self.device,
-                                        group=self.pipeline_group))
+            stages.append(_Stage(stage_module, index, self.num_stages, self.device, group=self.pipeline_group))
         self.stages = stages
         # After stage_transform: its tensor-parallel slices are new parameters.
         _mark_shards(self.local_parameters(), self.topology)
@@ -405,6 +404,20 @@ class PipelineModel(nn.Module):
                 if size > 1:
                     dist.all_reduce(param.grad, group=group)
                 param.grad.mul_(factor)
+
+
+class _Stage(PipelineStage):
+    """A stage whose first-step shape inference leaves its tensor-parallel random streams as they
+    were. torch runs that inference forward on real tensors inside ``fork_rng``, which keeps the
+    default stream only; a stage sharded by mixed_parallel draws attention dropout from a tracker of
+    its own, which moved, so a run resumed from a checkpoint (whose first step infers again) drew
+    other masks than the uninterrupted run from then on."""
+
+    def _prepare_forward_infra(self, *args, **kwargs):
+        from atorch.parallel_layers.random import tracker_of
+
+        with tracker_of(self.submod).kept():
+            return super()._prepare_forward_infra(*args, **kwargs)
 
 
 def _tied_parameters(module: nn.Module, stage_units: list[list[str]]) -> list[list[tuple[int, str]]]:
