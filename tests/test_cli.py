@@ -445,3 +445,29 @@ def test_more_bad_flags_are_refused_by_name(capsys):
     assert "unknown method 'zero9'. Did you mean" in capsys.readouterr().err
     assert main(["plan", "--model", "nomodule:fn", "--world-size", "8"]) == 2
     assert "--model 'nomodule:fn': ModuleNotFoundError" in capsys.readouterr().err
+
+
+def test_fuzz_finds_refused_by_name(tmp_path, capsys):
+    # Issue 56, point 6: what tests/test_fuzz_inputs.py found, each refused naming the field.
+    import math
+
+    from atorch.auto.search.profiles import FOLDER
+
+    config = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2**63,
+              "num_attention_heads": 4, "vocab_size": 128}
+    assert main(["plan", "--hf-config", _text_file(tmp_path / "deep.json", json.dumps(config)),
+                 "--world-size", "2"]) == 2  # it built 2**63 layers on meta for minutes
+    assert "at most 512 layers" in capsys.readouterr().err
+    profile = json.loads((FOLDER / "h100_80gb.json").read_text())
+    for field, value, told in (("gpus_per_node", math.inf, "gpus_per_node must be a whole number"),
+                               ("intra_node", 5, "intra_node must be an object with a 'bandwidth'"),
+                               ("sources", "x", "sources must be an object of texts")):
+        path = _text_file(tmp_path / f"{field}.json", json.dumps({**profile, field: value}))
+        assert main(["plan", "--hf-config", _text_file(tmp_path / "ok.json", json.dumps({**config,
+                     "num_hidden_layers": 2})), "--world-size", "2", "--batch-size", "4", "--seq-len", "32", "--search",
+                     "--profile", path]) == 2
+        assert told in capsys.readouterr().err, field
+    report = _report_with_a_long_reason().to_dict()
+    report["candidates"][1]["estimate_breakdown"]["forward_flops"] = []
+    assert main(["explain", _text_file(tmp_path / "report.json", json.dumps(report))]) == 2
+    assert "estimate_breakdown must hold numbers" in capsys.readouterr().err

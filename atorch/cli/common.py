@@ -83,6 +83,12 @@ def add_model_flags(parser, required: bool = False) -> None:
     source.add_argument("--model", help="module:function returning the model (built on the meta device)")
 
 
+# Bounds on an --hf-config's sizes: a model of 100000 layers took over a minute and 3.4 GB to build
+# on the meta device before anything was planned.
+MAX_LAYERS = 512
+MAX_SIZE = 2**24
+
+
 def _hf_model(path: str, auto_config, auto_model, torch):
     """The causal LM of a transformers config file, on the meta device; a ValueError naming the
     file and what is wrong with it otherwise (not a traceback from deep in transformers or torch)."""
@@ -104,6 +110,10 @@ def _hf_model(path: str, auto_config, auto_model, torch):
            and v is not None}
     if bad:
         raise ValueError(f"--hf-config {path!r}: sizes must be positive whole numbers, got {bad}")
+    over = {k: v for k, v in sizes.items() if v is not None and v > (MAX_LAYERS if k.endswith("_layers") else MAX_SIZE)}
+    if over:
+        raise ValueError(f"--hf-config {path!r}: {over} is past what atorch plans for (at most {MAX_LAYERS} layers, "
+                         f"sizes up to {MAX_SIZE}; the largest published models have about 130 layers)")
     try:
         config = auto_config.for_model(**fields)
         with torch.device("meta"):

@@ -35,6 +35,11 @@ def _check_candidate(candidate: dict, where: str) -> None:
         raise ValueError(f"{where}.strategy.methods must be a list of {{\"name\": ..., \"config\": ...}} objects")
     if candidate.get("status", "pruned") not in STATUSES:
         raise ValueError(f"{where}.status must be one of {list(STATUSES)}, got {_shown(candidate['status'])}")
+    breakdown = candidate.get("estimate_breakdown") or {}
+    wrong = [key for key, value in breakdown.items() if not _holds(value, float)]
+    if wrong:
+        raise ValueError(f"{where}.estimate_breakdown must hold numbers (bytes, FLOP, seconds), got "
+                         f"{_shown({key: breakdown[key] for key in wrong})}")
     behind = candidate.get("side_by_side_behind")
     if behind is not None and len(behind) != 3:
         raise ValueError(f"{where}.side_by_side_behind must be [median, low, high], got {_shown(behind)}")

@@ -146,7 +146,12 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     if not path.is_file():
         raise UnknownProfileError(f"no hardware profile {name_or_path!r}; known profiles: {', '.join(profile_names())} "
                                   f"(or give the path of a profile JSON file like those in {FOLDER})")
-    return profile_from_data(json.loads(path.read_text()), path)
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, RecursionError) as error:
+        raise UnknownProfileError(f"hardware profile {path} is not JSON ({type(error).__name__}: "
+                                  f"{str(error)[:200]})") from None
+    return profile_from_data(data, path)
 
 
 def _link(data: dict) -> Link:
@@ -186,11 +191,63 @@ def _memory_bandwidth(data: dict, path: Path) -> float:
     return value
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 2**20
+
+
+def _link_shape(value) -> bool:
+    return isinstance(value, dict) and all(_number(value.get(key)) for key in ("bandwidth", "latency"))
+
+
+def _table(check):
+    return lambda value: isinstance(value, dict) and all(check(item) for item in value.values())
+
+
+# What each field of a profile holds, by the field's name: a check, and what it should be.
+_SHAPES = {
+    "matmul_flops": (_table(_number), "an object of FLOP/s by dtype ({'fp32': ..., 'bf16': ...})"),
+    "sustained_fraction": (_number, "a number in (0, 1]"),
+    "memory": (lambda v: isinstance(v, str) or (_number(v) and v > 0), "a size ('80GiB') or bytes"),
+    "reserve": (lambda v: isinstance(v, str) or (_number(v) and v >= 0), "a size ('6GiB') or bytes"),
+    "gpus_per_node": (_whole, "a whole number from 1 to 2**20"),
+    "nics_per_node": (_whole, "a whole number from 1 to 2**20"),
+    "intra_node": (_link_shape, "an object with a 'bandwidth' (bytes/s) and a 'latency' (s)"),
+    "inter_node": (_link_shape, "an object with a 'bandwidth' (bytes/s) and a 'latency' (s)"),
+    "sources": (_table(lambda v: isinstance(v, str)), "an object of texts: each number's source"),
+    "collectives": (_table(lambda by_size: isinstance(by_size, dict) and all(
+        isinstance(size, str) and size.isdigit() and _link_shape(link) for size, link in by_size.items())),
+        "an object of {group size: {'bandwidth', 'latency'}} by collective kind"),
+    "method_seconds": (_table(_number), "an object of seconds by method"),
+    "attention_flops": (_table(_number), "an object of FLOP/s by attention kind"),
+    "name": (lambda v: isinstance(v, str), "a text"),
+    "description": (lambda v: isinstance(v, str), "a text"),
+    "attention": (lambda v: isinstance(v, str), "a text"),
+    **{key: (_number, "a number") for key in ("overlap", "op_seconds", "checkpoint_save_seconds",
+                                                 "wrapped_call_seconds", "kernel_seconds", "memory_bandwidth",
+                                                 "ranks_per_core")},
+}
+
+
+def _check_shape(data, path: Path) -> None:
+    """Each field the profile gives holds what it should (a wrong type, or a number that is not
+    finite, is refused by the field's name before any is read)."""
+    if not isinstance(data, dict):
+        raise UnknownProfileError(f"hardware profile {path} must be a JSON object, not {type(data).__name__}")
+    wrong = [f"{key} must be {what}" for key, (check, what) in _SHAPES.items() if key in data and not check(data[key])]
+    if wrong:
+        raise UnknownProfileError(f"hardware profile {path}: {'; '.join(wrong)}")
+
+
 def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwareProfile:
     """A :class:`HardwareProfile` from a profile's JSON data, checked (``origin`` names it in errors)."""
     from atorch.utils.sizes import parse_bytes
 
     path = Path(origin)
+    _check_shape(data, path)
     missing = [key for key in _REQUIRED if key not in data]
     if missing:
         raise UnknownProfileError(f"hardware profile {path} lacks {missing}")
