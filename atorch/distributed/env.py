@@ -110,15 +110,23 @@ def shutdown() -> None:
     :func:`_release_groups_bound_at_import`); atorch's topology and the reference cycles of a
     DDP reducer hold it too. Nothing to do in a single process.
     """
-    import gc
-
     if not dist.is_initialized():
         return
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     dist.barrier()
-    _forget_dtensor_shardings()  # a later init_distributed in this process gets fresh meshes
-    dist.destroy_process_group()
+    release_groups()
+
+
+def release_groups() -> None:
+    """Destroy the process group and drop every reference atorch and torch keep to it (the second
+    half of :func:`shutdown`, without meeting the other ranks: for a rank that leaves after a
+    failure, or that met them already)."""
+    import gc
+
+    if dist.is_initialized():
+        _forget_dtensor_shardings()  # a later init_distributed in this process gets fresh meshes
+        dist.destroy_process_group()
     from atorch import parallel_state
 
     parallel_state.set_topology(None)

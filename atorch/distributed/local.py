@@ -48,8 +48,12 @@ def run_rank(rank: int, nproc: int, port: int, backend: str, threads: int | None
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         report(False, traceback.format_exc())
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # Not destroy_process_group alone: a group something still holds (the topology a job made
+        # current, a default argument bound at import) outlives it with gloo's threads, and the
+        # process can die of SIGABRT at exit after its work is done.
+        from atorch.distributed.env import release_groups
+
+        release_groups()
 
 
 def _worker(rank: int, nproc: int, port: int, backend: str, threads: int | None, fn, args, kwargs, queue) -> None:
@@ -90,6 +94,10 @@ def run_local(fn: Callable[..., Any], nproc: int, args: tuple = (), kwargs: dict
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+    if not failures:  # every rank reported its result: it must also have exited cleanly
+        for rank, proc in enumerate(procs):
+            if proc.exitcode not in (0, -9):  # -9: still running past the join, killed above
+                failures[rank] = f"rank {rank} finished its work, then exited with code {proc.exitcode}"
     if failures:
         raise LocalRunError("distributed run failed:\n" + "\n".join(f"rank {r}:\n{tb}" for r, tb in failures.items()))
     return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(nproc)]
