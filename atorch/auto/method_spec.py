@@ -106,6 +106,9 @@ class MethodSpec:
     # ``changes_nothing(model, config)``: why the method would leave this model as it is (then it
     # is dropped before anything runs, with that reason logged), or None.
     changes_nothing: Callable[[Any, MethodConfig], str | None] | None = None
+    # ``leaves_whole(model, config)``: what of ``model`` the method runs on but leaves undone (a
+    # part it does not split), or None; a WARNING, kept in the result's notes.
+    leaves_whole: Callable[[Any, MethodConfig], str | None] | None = None
     # Configs the search tries for this method; empty: the search leaves it out unless the user
     # puts it in `included` (then its default config is tried).
     search_space: tuple[dict, ...] = field(default_factory=tuple)

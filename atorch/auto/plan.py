@@ -234,6 +234,21 @@ def each_drop_once() -> Iterator[None]:
         _logged = outer
 
 
+def _note_what_stays_whole(spec, model, config, notes: list[Note] | None) -> None:
+    """A method that runs but leaves part of ``model`` as it was says so: a WARNING in the user's
+    notes (never silence); once per search at INFO for the search's candidates."""
+    whole = spec.leaves_whole(model, config) if spec.leaves_whole is not None else None
+    if whole is None:
+        return
+    note = Note(f"{spec.name}: {whole}", warning=True)
+    if notes is not None:
+        notes.append(note)
+    elif _logged is None or note not in _logged:
+        logger.info("%s", note)
+        if _logged is not None:
+            _logged.add(note)
+
+
 def resolve_strategy(model, strategy: Strategy, notes: list[Note] | None = None) -> Strategy:
     """Each method's ``resolve`` applied to ``model``: user errors raised before anything runs,
     and the choices methods make from the model (checkpointed classes, FSDP units) filled in.
@@ -246,6 +261,7 @@ def resolve_strategy(model, strategy: Strategy, notes: list[Note] | None = None)
         if spec.resolve is not None:
             config = spec.resolve(model, config)
             strategy = strategy.replace(name, config)
+        _note_what_stays_whole(spec, model, config, notes)
         idle = spec.changes_nothing(model, config) if spec.changes_nothing is not None else None
         if idle is not None:
             strategy = strategy.without(name)

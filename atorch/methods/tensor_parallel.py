@@ -339,6 +339,19 @@ def terms_3d(cost, row: int, col: int, depth: int) -> None:
     cost.compute_share *= linear / tensor + (1 - linear) / depth
 
 
+def leaves_whole(model, config: TensorParallelConfig) -> str | None:
+    """The routed experts of a mixture-of-experts model: neither algorithm splits them."""
+    from atorch.parallel_layers.experts import experts_summary
+
+    found = experts_summary(model)
+    if found is None:
+        return None
+    blocks, share = found
+    return (f"splits attention and dense MLPs only; the routed experts of {blocks} MoE blocks ({share:.0%} of "
+            f"{type(model).__name__}'s parameters) stay whole on every tensor rank. Shard them with fsdp (or "
+            "zero2/zero1 for their gradients and optimizer state); atorch has no expert parallelism yet")
+
+
 register_method(
     MethodSpec(
         name="tensor_parallel",
@@ -350,6 +363,7 @@ register_method(
         needs_dims=("tensor",),
         layouts=layouts,
         ineligible=ineligible,
+        leaves_whole=leaves_whole,
         cost_term=cost_term,
         probed=False,  # the split layers need the tensor group; cost_term divides the model instead
     )
