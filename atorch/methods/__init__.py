@@ -8,6 +8,7 @@ from atorch.methods import (  # noqa: F401
     amp_native,
     checkpoint,
     ds_3d_parallel,
+    expert_parallel,
     fp8,
     fsdp,
     genomic_bottleneck,

@@ -349,7 +349,8 @@ def leaves_whole(model, config: TensorParallelConfig) -> str | None:
     blocks, share = found
     return (f"splits attention and dense MLPs only; the routed experts of {blocks} MoE blocks ({share:.0%} of "
             f"{type(model).__name__}'s parameters) stay whole on every tensor rank. Shard them with fsdp (or "
-            "zero2/zero1 for their gradients and optimizer state); atorch has no expert parallelism yet")
+            "zero2/zero1 for their gradients and optimizer state), or split them over the data ranks with "
+            "expert_parallel instead of tensor_parallel (it does not combine with tensor_parallel yet)")
 
 
 register_method(

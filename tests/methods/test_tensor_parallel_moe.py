@@ -47,4 +47,4 @@ def test_tensor_parallel_on_a_moe_model_says_the_experts_stay_whole(kind):
     pytest.importorskip("transformers")
     notes = run_distributed(_notes_under_tensor_parallel, 2, kind)[0]
     said = [note for note in notes if "routed experts" in note]
-    assert len(said) == 1 and "stay whole on every tensor rank" in said[0] and "fsdp" in said[0], notes
+    assert len(said) == 1 and "stay whole on every tensor rank" in said[0] and "fsdp" in said[0] and "expert_parallel" in said[0], notes

@@ -1,0 +1,126 @@
+"""expert_parallel: the routed experts of a mixture-of-experts model spread over the data ranks.
+
+``("expert_parallel", None)`` splits each MoE block's routed experts over as many data-parallel
+ranks as divide both the ranks and the experts; ``{"size": n}`` over groups of n of them (the
+experts' slices then repeat over data / n groups, whose gradients are summed). Tokens reach
+their experts and come back by all-to-all (atorch/parallel_layers/expert_dispatch.py); the
+router, the shared experts and every other weight stay data-parallel under DDP. No token is
+dropped: the result equals the serial model's.
+
+This first version runs under ``parallel_mode``'s DDP over data ranks only, on the fused experts
+of transformers 5 (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: ``gate_up_proj`` / ``down_proj`` of
+shape ``[experts, ...]``); the methods that shard or split weights otherwise are refused with
+the reason, and so is a model without such experts.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+from pydantic import Field
+
+from atorch.auto.config_types import MethodConfig
+from atorch.auto.context import ModelContext
+from atorch.auto.method_spec import MethodSpec, Stage, register_method
+from atorch.errors import MethodConfigError, WorldSizeError
+from atorch.utils.log import logger
+
+NOT_YET = ("expert_parallel runs under DDP over data ranks only in this version; {0} shards or splits the "
+           "weights another way; remove one of them")
+_CONFLICTS = {name: NOT_YET.format(name) for name in (
+    "fsdp", "zero1", "zero2", "tensor_parallel", "sequence_parallel", "pipeline_parallel", "mixed_parallel",
+    "ds_3d_parallel", "genomic_bottleneck", "half")}
+
+
+class ExpertParallelConfig(MethodConfig):
+    size: int | None = Field(default=None, ge=2, description="ranks in each expert group; None: as many data "
+                                                            "ranks as divide the experts")
+
+
+def _experts(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    from atorch.parallel_layers.expert_dispatch import fused_shape
+    from atorch.parallel_layers.experts import routed_experts
+
+    found = routed_experts(model)
+    if not found:
+        raise MethodConfigError(f"expert_parallel: {type(model).__name__} has no routed experts (a mixture-of-"
+                                "experts block: fused expert weights, or an experts ModuleList beside a router)")
+    for name, module in found.items():
+        why = fused_shape(module)
+        if why is not None:
+            raise MethodConfigError(f"expert_parallel: {name}: {why}")
+    counts = {module.gate_up_proj.shape[0] for module in found.values()}
+    if len(counts) != 1:
+        raise MethodConfigError(f"expert_parallel: the MoE blocks hold different numbers of experts {sorted(counts)}")
+    return found
+
+
+def resolve(model: torch.nn.Module, config: ExpertParallelConfig) -> ExpertParallelConfig:
+    experts = next(iter(_experts(model).values())).gate_up_proj.shape[0]
+    if config.size is not None and experts % config.size:
+        raise MethodConfigError(f"expert_parallel: size {config.size} does not divide the {experts} experts; pick "
+                                f"a size that divides {experts}")
+    return config
+
+
+def group_size(data: int, experts: int, size: int | None) -> int:
+    """The ranks of one expert group among ``data`` data-parallel ranks."""
+    if size is None:
+        return math.gcd(data, experts)
+    if data % size:
+        raise WorldSizeError(f"expert_parallel: size {size} does not divide the {data} data-parallel ranks; pick a "
+                             f"size that divides {data}")
+    return size
+
+
+def _groups(world: int, size: int):
+    """(this rank's expert group, its replicas group): consecutive ranks hold the experts' slices;
+    every rank takes part in creating every group, as torch requires."""
+    rank, mine, replicas = dist.get_rank(), None, None
+    for first in range(0, world, size):
+        group = dist.new_group(list(range(first, first + size)))
+        mine = group if first <= rank < first + size else mine
+    for offset in range(size):
+        group = dist.new_group(list(range(offset, world, size)))
+        replicas = group if rank % size == offset else replicas
+    return mine, replicas
+
+
+def shard(ctx: ModelContext, config: ExpertParallelConfig) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from atorch.parallel_layers.expert_dispatch import shard_fused_experts
+
+    topology = ctx.topology
+    data = topology.data_parallel_size
+    if dist.get_world_size() != data:
+        raise MethodConfigError("expert_parallel runs over data-parallel ranks only in this version; parallel_mode "
+                                "has other dims: give it data ranks only")
+    found = _experts(ctx.model)
+    experts = next(iter(found.values())).gate_up_proj.shape[0]
+    size = group_size(data, experts, config.size)
+    if size < 2:
+        logger.warning("expert_parallel: %d data ranks and %d experts share no divisor above 1: experts stay whole",
+                       data, experts)
+        return
+    group, replicas = _groups(data, size)
+    for module in found.values():
+        shard_fused_experts(module, group, 1.0 / data, replicas)
+    ignored = [f"{name}.{weight}" for name in found for weight in ("gate_up_proj", "down_proj")]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(ctx.model, ignored)
+    logger.info("expert_parallel: %d experts over groups of %d ranks (%d a rank) in %d MoE blocks", experts, size,
+                experts // size, len(found))
+
+
+register_method(
+    MethodSpec(
+        name="expert_parallel",
+        config_cls=ExpertParallelConfig,
+        hooks={Stage.REWRITE: shard},
+        description="expert parallelism: routed experts split over data ranks, tokens routed by all-to-all",
+        distributed_only=True,
+        needs_data_parallel=True,
+        conflicts=_CONFLICTS,
+        resolve=resolve,
+    )
+)
