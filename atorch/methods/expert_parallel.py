@@ -112,6 +112,41 @@ def shard(ctx: ModelContext, config: ExpertParallelConfig) -> None:
                 experts // size, len(found))
 
 
+def cost_term(config: ExpertParallelConfig, cost) -> None:
+    """Memory: a rank keeps 1 / size of the routed experts' weights, gradients and optimizer state.
+    Time: each MoE block sends every (token, choice) pair's hidden state to its expert's rank and
+    back in forward, and both again in backward: 4 all-to-alls of tokens x choices x hidden
+    elements, of which (size - 1) / size leave the rank, plus forward's 2 small ones (counts, ids).
+    An all-to-all is priced at the point-to-point rate (``send_recv``): each rank sends its pieces
+    straight to the others. Load imbalance is not modelled: the tokens are taken as spread evenly."""
+    from atorch.auto.step_cost import Comm
+    from atorch.parallel_layers.experts import routed_experts
+
+    found = routed_experts(cost.model)
+    if not found:
+        return
+    experts = next(iter(found.values())).gate_up_proj.shape[0]
+    size = group_size(cost.dp_size, experts, config.size)
+    if size < 2:
+        return
+    routed = sum(p.numel() * p.element_size() for module in found.values() for p in module.parameters())
+    share = 1 - routed / max(cost.param_bytes(), 1) * (1 - 1 / size)
+    cost.split_model(share)
+    cost.split *= share
+    choices = _choices(cost.model)
+    hidden = next(iter(found.values())).gate_up_proj.shape[-1]
+    leaving = (size - 1) / size
+    blocks = len(found)
+    cost.comms.append(Comm("data", 4 * blocks * cost.tokens * choices * hidden * leaving, 6 * blocks,
+                           kind="send_recv", method="expert_parallel"))
+
+
+def _choices(model: torch.nn.Module) -> int:
+    """Experts each token goes to (the config's ``num_experts_per_tok``; 1 when it has none)."""
+    config = getattr(model, "config", None)
+    return int(getattr(config, "num_experts_per_tok", None) or 1)
+
+
 register_method(
     MethodSpec(
         name="expert_parallel",
@@ -122,5 +157,6 @@ register_method(
         needs_data_parallel=True,
         conflicts=_CONFLICTS,
         resolve=resolve,
+        cost_term=cost_term,
     )
 )

@@ -20,6 +20,7 @@ ATORCH_FORMS = {
     "zero1": {"use_ds_zero": True},
     "tensor_parallel": {"algorithm": "megatron"},
     "sequence_parallel": {},
+    "expert_parallel": {"size": 2},
     "module_replace": {"pairs": ["hf_rmsnorm"], "hf_attention": None},
     "fp8": {"include": ["blocks"], "exclude": ["head"], "fp8_format": "E4M3", "amax_history_len": 16,
             "amax_compute_algo": "most_recent", "margin": 1, "interval": 2, "reduce_amax": False, "verbose": True},

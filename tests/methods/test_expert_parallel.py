@@ -14,13 +14,18 @@ STEPS = 3
 
 def _train(kind: str, strategy: list) -> dict:
     from atorch.auto import auto_accelerate
-    from tests.checkpoint.jobs import train
     from tests.helpers.hf import CountingTokens
 
     _, result, _ = auto_accelerate(tiny_moe(kind), torch.optim.AdamW, CountingTokens(), lambda batch, out: out.loss,
                                    optim_args={"lr": 1e-2}, dataloader_args={"batch_size": 8},
                                    model_input_format="unpack_dict", load_strategy=strategy)
-    losses = train(result, STEPS)
+    losses, batches = [], iter(result.dataloader)
+    for _ in range(STEPS):  # the documented loop: a step is every micro-batch of one global batch
+        for _ in range(result.args.get("gradient_accumulation_steps", 1)):
+            batch = result.prepare_input(next(batches), torch.device("cpu"))
+            result.backward(result.loss_func(batch, result.model(**batch)))
+            result.step()
+        losses.append(result.last_step.loss)
     model = getattr(result.model, "module", result.model)
     weights, held = {}, {}
     for name, param in model.named_parameters():
@@ -76,3 +81,54 @@ def test_what_expert_parallel_cannot_run_is_refused_by_name():
         resolve_strategy(tiny_moe("mixtral"), parse_strategy([("expert_parallel", {"size": 3})]))
     with pytest.raises(StrategyConflictError, match="runs under DDP over data ranks only"):
         plan_strategy(parse_strategy(["parallel_mode", "fsdp", "expert_parallel"]), device_ctx(2))
+
+
+COMPOSED = {  # the other methods expert_parallel runs with, against the serial run of the same precision
+    "amp_native bf16": ([("amp_native", {"dtype": "bf16"})], 3e-3),  # bf16 autocast: the composition matrix's tolerance
+    "checkpoint": ([("checkpoint", {})], 1e-5),  # the recompute runs the all-to-alls again, in order
+    "gradient_accumulation": ([("gradient_accumulation", {"steps": 2})], 1e-5),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPOSED))
+def test_expert_parallel_composes_with(name):
+    pytest.importorskip("transformers")
+    methods, tolerance = COMPOSED[name]
+    serial = run_distributed(_train, 1, "mixtral", methods)[0]
+    ranks = run_distributed(_train, 2, "mixtral", ["parallel_mode", *methods, "expert_parallel"])
+    assert ranks[0]["losses"] == pytest.approx(serial["losses"], rel=tolerance), (name, ranks[0]["losses"])
+
+
+def _expert_traffic() -> dict:
+    from tests.helpers.comms import step_traffic
+    from tests.helpers.hf import CountingTokens
+
+    seen = step_traffic(tiny_moe("mixtral"), ["parallel_mode", "expert_parallel"], CountingTokens(), 8)
+    return seen.get("other", {}).get("alltoall_base_", (0, 0))
+
+
+def test_the_cost_term_charges_the_all_to_alls_the_dispatch_makes():
+    """One step on 2 ranks counted by tests/helpers/comms.Collectives: per MoE block 4 all-to-alls
+    forward (counts, ids and the hidden states out and back) and 2 backward. The hidden states'
+    bytes a rank receives average 4 x tokens x choices x hidden (fp32) a block; the term charges
+    the (size - 1) / size of them that leave a rank; the ids and counts are 8-byte integers."""
+    pytest.importorskip("transformers")
+    from atorch.auto.plan import resolve_strategy
+    from atorch.auto.search.cost import build_cost
+    from atorch.auto.strategy import Strategy
+    from tests.helpers.hf import SEQ
+
+    measured = run_distributed(_expert_traffic, 2)
+    with torch.device("meta"):
+        model = tiny_moe("mixtral")
+    strategy = resolve_strategy(model, Strategy(["parallel_mode", "expert_parallel"]))
+    cost = build_cost(model, strategy, {"data": 2}, 2.0, 0, 1e9, 8 // 2 * SEQ)
+    [charged] = [c for c in cost.comms if c.method == "expert_parallel"]
+    blocks, tokens, choices, hidden = 2, 8 // 2 * SEQ, 2, 32
+    assert all(calls == 6 * blocks for calls, _ in measured) and charged.messages == 6 * blocks
+    integers = blocks * (8 * 2 + 8 * tokens * choices)  # a rank on average: 2 counts, its rows' ids
+    floats = sum(payload for _, payload in measured) / len(measured) - integers
+    assert floats == pytest.approx(4 * blocks * tokens * choices * hidden * 4)
+    assert charged.elements * 4 == pytest.approx(floats * (2 - 1) / 2)
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    assert cost.split == pytest.approx(1 - experts / sum(p.numel() for p in model.parameters()) / 2)
