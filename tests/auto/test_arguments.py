@@ -91,3 +91,8 @@ def test_good_arguments_still_pass(tmp_path):
         dryrun_steps=1, dryrun_warmup_steps=0, verbose=False, save_strategy_to_file=str(tmp_path / "s.json"),
         lr_scheduler_cls=torch.optim.lr_scheduler.StepLR, lr_scheduler_args={"step_size": 2}, excluded=["fsdp"]))
     assert status and (tmp_path / "s.json").is_file()
+
+
+def test_a_model_that_is_not_a_module_is_refused_before_anything_runs():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got int"):
+        auto_accelerate(5, torch.optim.SGD, load_strategy=[])
