@@ -132,3 +132,16 @@ def test_the_cost_term_charges_the_all_to_alls_the_dispatch_makes():
     assert charged.elements * 4 == pytest.approx(floats * (2 - 1) / 2)
     experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     assert cost.split == pytest.approx(1 - experts / sum(p.numel() for p in model.parameters()) / 2)
+
+
+@pytest.mark.parametrize("name", list(COMPOSED))
+def test_either_list_order_plans_the_same_run(name):
+    # The applied order is the registry's (by stage), not the list's: both orders train the same.
+    from atorch.auto.plan import plan_strategy
+    from atorch.auto.strategy import parse_strategy
+    from tests.auto.composition import device_ctx
+
+    methods = COMPOSED[name][0]
+    first, _ = plan_strategy(parse_strategy(["parallel_mode", "expert_parallel", *methods]), device_ctx(2))
+    last, _ = plan_strategy(parse_strategy(["parallel_mode", *methods, "expert_parallel"]), device_ctx(2))
+    assert first.opt_names == last.opt_names and first == last, (first.opt_names, last.opt_names)
