@@ -46,10 +46,14 @@ def shard_fused_experts(module: nn.Module, group, scale: float, replicas=None) -
         shard = nn.Parameter(full.detach()[rank * local:(rank + 1) * local].clone(), requires_grad=full.requires_grad)
         shard.expert_parallel = True
         shard.shard_group = group  # clip_grad_norm sums a sharded weight's norm over this group
+        # a checkpoint stores the slices as one weight split on dim 0 over the group, as it does
+        # a tensor-parallel layer's (atorch/checkpoint/state.py reads these and ``module.group``)
+        shard.tensor_model_parallel, shard.partition_dim = True, 0
         shard.register_hook(lambda grad: grad * scale)
         if replicas is not None and dist.get_world_size(replicas) > 1:
             shard.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(p.grad, group=replicas))
         setattr(module, name, shard)
+    module.group = group
     module.forward = _Dispatch(module, group, size, rank, local)
 
 

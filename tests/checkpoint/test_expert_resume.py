@@ -1,0 +1,62 @@
+"""A checkpoint of a job under expert_parallel holds the whole experts (each rank's slice, stored
+as one weight split over the expert group): saved on 2 ranks after 2 steps, it loads in new
+processes under expert_parallel and under ddp, and in one process, and each continues as the
+uninterrupted run does (fp32, 1e-5)."""
+
+import pytest
+import torch
+
+from tests.helpers.dist import run_distributed
+
+EP = ["parallel_mode", "expert_parallel"]
+
+
+def _build(strategy):
+    from atorch.auto import auto_accelerate
+    from tests.helpers.hf import CountingTokens
+    from tests.methods.test_tensor_parallel_moe import tiny_moe
+
+    _, result, _ = auto_accelerate(tiny_moe("mixtral"), torch.optim.AdamW, CountingTokens(),
+                                   lambda batch, out: out.loss, optim_args={"lr": 1e-2},
+                                   dataloader_args={"batch_size": 8}, model_input_format="unpack_dict",
+                                   load_strategy=strategy)
+    return result
+
+
+def _steps(result, count: int, batches=None) -> list[float]:
+    losses, batches = [], batches or iter(result.dataloader)
+    for _ in range(count):
+        batch = result.prepare_input(next(batches), torch.device("cpu"))
+        result.backward(result.loss_func(batch, result.model(**batch)))
+        result.step()
+        losses.append(result.last_step.loss)
+    return losses
+
+
+def save_and_continue(directory: str) -> list[float]:
+    import atorch.checkpoint as ckpt
+
+    result = _build(EP)
+    batches = iter(result.dataloader)  # one epoch's iterator throughout, as a training loop keeps it
+    _steps(result, 2, batches)
+    ckpt.save(directory, result.model, result.optim, dataloader=result.dataloader)
+    return _steps(result, 2, batches)
+
+
+def load_and_continue(directory: str, strategy: list) -> list[float]:
+    import atorch.checkpoint as ckpt
+
+    torch.manual_seed(3)
+    result = _build(strategy)
+    ckpt.load(directory, result.model, result.optim, dataloader=result.dataloader)
+    return _steps(result, 2)
+
+
+def test_a_checkpoint_under_expert_parallel_resumes_under_any_strategy(tmp_path):
+    pytest.importorskip("transformers")
+    directory = str(tmp_path / "ck")
+    uninterrupted = run_distributed(save_and_continue, 2, directory, fresh=True)[0]
+    for strategy in (EP, ["parallel_mode"]):
+        resumed = run_distributed(load_and_continue, 2, directory, strategy, fresh=True)[0]
+        assert resumed == pytest.approx(uninterrupted, rel=1e-5), strategy
+    assert run_distributed(load_and_continue, 1, directory, [])[0] == pytest.approx(uninterrupted, rel=1e-5)
