@@ -112,6 +112,10 @@ class MethodSpec:
     # Configs the search tries for this method; empty: the search leaves it out unless the user
     # puts it in `included` (then its default config is tried).
     search_space: tuple[dict, ...] = field(default_factory=tuple)
+    # ``(model) -> bool``: whether the search offers the method for ``model`` at all (None: for
+    # every model). A method for some models only (expert_parallel: models with routed experts)
+    # is then no choice for the others, and their searches are as they were without it.
+    applies_to: Callable[[Any], bool] | None = None
     # Configs whose relations differ from the default config's (a backend switch): listed one by
     # one in docs/methods/compatibility.md.
     variants: tuple[dict, ...] = ()

@@ -112,6 +112,28 @@ def shard(ctx: ModelContext, config: ExpertParallelConfig) -> None:
                 experts // size, len(found))
 
 
+def has_experts(model: torch.nn.Module) -> bool:
+    from atorch.parallel_layers.experts import routed_experts
+
+    return bool(routed_experts(model))
+
+
+def ineligible(model: torch.nn.Module, config: ExpertParallelConfig, job) -> str | None:
+    """Why the search cannot use expert_parallel on this layout: the model's experts are not the
+    fused kind, or its data ranks and experts share no divisor above 1."""
+    try:
+        found = _experts(model)
+    except MethodConfigError as error:
+        return str(error)
+    data = job.dims.get("data", 1)
+    experts = next(iter(found.values())).gate_up_proj.shape[0]
+    if any(size > 1 for name, size in job.dims.items() if name != "data"):
+        return "expert_parallel runs over data-parallel ranks only in this version"
+    if math.gcd(data, experts) < 2:
+        return f"expert_parallel: {data} data ranks and {experts} experts share no divisor above 1"
+    return None
+
+
 def cost_term(config: ExpertParallelConfig, cost) -> None:
     """Memory: a rank keeps 1 / size of the routed experts' weights, gradients and optimizer state.
     Time: each MoE block sends every (token, choice) pair's hidden state to its expert's rank and
@@ -158,5 +180,10 @@ register_method(
         conflicts=_CONFLICTS,
         resolve=resolve,
         cost_term=cost_term,
+        search_space=({},),
+        applies_to=has_experts,
+        ineligible=ineligible,
+        decided_by=("collectives",),
+        probed=False,  # its groups and all-to-alls need the ranks; cost_term divides the experts instead
     )
 )

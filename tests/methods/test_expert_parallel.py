@@ -145,3 +145,39 @@ def test_either_list_order_plans_the_same_run(name):
     first, _ = plan_strategy(parse_strategy(["parallel_mode", "expert_parallel", *methods]), device_ctx(2))
     last, _ = plan_strategy(parse_strategy(["parallel_mode", *methods, "expert_parallel"]), device_ctx(2))
     assert first.opt_names == last.opt_names and first == last, (first.opt_names, last.opt_names)
+
+
+def _search_moe(report_file: str, included: list) -> list:
+    from atorch.auto import auto_accelerate
+    from atorch.auto.registry import all_methods
+    from tests.helpers.hf import CountingTokens
+
+    others = {m.name for m in all_methods() if m.search_space} - {"expert_parallel", "zero1", *included}
+    _, result, strategy = auto_accelerate(
+        tiny_moe("mixtral"), torch.optim.AdamW, CountingTokens(), lambda batch, out: out.loss,
+        optim_args={"lr": 1e-2}, dataloader_args={"batch_size": 8}, model_input_format="unpack_dict",
+        report_file=report_file, excluded=sorted(others), included=included, dryrun_warmup_steps=1,
+        dryrun_steps=2, use_search_cache=False)
+    batch = result.prepare_input(next(iter(result.dataloader)), torch.device("cpu"))
+    result.backward(result.loss_func(batch, result.model(**batch)))  # the pick trains
+    result.step()
+    return strategy.opt_names
+
+
+@pytest.mark.parametrize("included", [[], ["expert_parallel"]])
+def test_the_search_weighs_expert_parallel_on_a_moe_model(tmp_path, included):
+    """With routed experts, the search's space has expert_parallel (with and without zero1, which it
+    is refused with); each such candidate is estimated with its cost term and dry-run like any
+    other. Named in ``included``, every candidate has it and the pick trains."""
+    pytest.importorskip("transformers")
+    from atorch.auto.search.report import SearchReport
+
+    path = str(tmp_path / "report.json")
+    picks = run_distributed(_search_moe, 2, path, included)
+    assert picks[0] == picks[1]
+    report = SearchReport.load(path)
+    with_it = [c for c in report.candidates if "expert_parallel" in c.names]
+    assert with_it and all(c.estimated_peak_bytes for c in with_it), report.table()
+    assert all(c.status != "failed" for c in with_it), [c.reason for c in with_it]
+    if included:
+        assert "expert_parallel" in picks[0], [(c.names, c.status, c.reason) for c in report.candidates]
