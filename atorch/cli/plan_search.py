@@ -64,7 +64,8 @@ def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, st
     counts["ineligible layouts"] = len(ineligible)
     # Accumulation comes from the memory retries below (the fewest micro-batches that fit), not
     # from the space's gradient_accumulation combinations, which would cost the same thing twice.
-    candidates = candidate_space(device_ctx, [*excluded, "gradient_accumulation"], None, None, layouts, counts)
+    candidates = candidate_space(device_ctx, [*excluded, "gradient_accumulation"], None, None, layouts, counts,
+                                 model=model, global_batch=global_batch)
 
     def costed(row: dict, tried, dims: dict, steps: int) -> dict:
         return _costed(row, model, tried, dims, steps, state_factor, probe.for_accumulation(steps), profile,

@@ -7,6 +7,8 @@ one slice per expert) and a ``ModuleList`` named ``experts`` next to a router (`
 ``shared_expert``) are not routed and are not counted.
 """
 
+import contextlib
+
 from torch import nn
 
 
@@ -43,3 +45,42 @@ def experts_summary(model: nn.Module) -> tuple[int, float] | None:
     total = sum(p.numel() for p in model.parameters())
     routed = sum(p.numel() for module in found.values() for p in module.parameters())
     return len(found), routed / max(total, 1)
+
+
+class _ExpectedLoad:
+    """A fused experts module's forward on the meta device, where tokens cannot be routed (which
+    expert a token picks is data): every (token, choice) pair runs through one expert's weights,
+    so the FLOPs and the activations are those of evenly spread routing, T x top-k expert MLPs."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        from torch.nn import functional as F
+
+        module = self.module
+        tokens, choices = top_k_index.shape
+        rows = hidden_states.repeat_interleave(choices, dim=0)
+        gate, up = F.linear(rows, module.gate_up_proj[0]).chunk(2, dim=-1)
+        out = F.linear(module.act_fn(gate) * up, module.down_proj[0])
+        out = out * top_k_weights.reshape(-1, 1).to(out.dtype)
+        return out.view(tokens, choices, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+@contextlib.contextmanager
+def expected_load(model: nn.Module):
+    """Within the block, ``model``'s fused routed experts compute as :class:`_ExpectedLoad` does
+    (the cost model's probe on the meta device); their own forwards come back after it."""
+    swapped = []
+    for module in routed_experts(model).values():
+        if isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and hasattr(module, "act_fn"):
+            swapped.append((module, module.__dict__.get("forward")))
+            module.forward = _ExpectedLoad(module)
+    try:
+        yield
+    finally:
+        for module, own in swapped:
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own

@@ -436,17 +436,22 @@ def probe_once(model, strategy, batch, model_input_format, loss_func, device_ctx
     tensors, a model of n identical blocks is probed with one and with two of them and the counts
     extrapolated (:mod:`atorch.auto.search.shallow`)."""
     from atorch.auto.search import shallow
+    from atorch.parallel_layers.experts import expected_load
 
-    blocks = shallow.repeated_blocks(model) if any(p.is_meta for p in model.parameters()) else None
-    if blocks is None:
-        counted: list = []
-        return _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, stages, counted), counted
-    probes = []
-    for keep in (1, 2):
-        with shallow.truncated(blocks, keep):
-            counted = []
-            probes.append((_saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, stages,
-                                        counted), counted))
+    meta = any(p.is_meta for p in model.parameters())
+    blocks = shallow.repeated_blocks(model) if meta else None
+    # on meta, routed experts cannot route (the choice is data): they run at their expected load
+    with expected_load(model) if meta else contextlib.nullcontext():
+        if blocks is None:
+            counted: list = []
+            return _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx, stages,
+                                counted), counted
+        probes = []
+        for keep in (1, 2):
+            with shallow.truncated(blocks, keep):
+                counted = []
+                probes.append((_saved_bytes(model, strategy, batch, model_input_format, loss_func, device_ctx,
+                                            stages, counted), counted))
     return shallow.extrapolate(probes[0], probes[1], len(blocks))
 
 
