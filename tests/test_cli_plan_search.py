@@ -276,3 +276,18 @@ def test_advice_when_nothing_fits_is_what_the_plan_itself_then_fits():
     assert "smaller micro-batch" not in advice
     ranks = int(re.search(r"; (\d+) ranks \(", advice).group(1))
     assert ranks > 8 and any(r["fits"] for r in plan(ranks))
+
+
+def test_accumulation_tries_every_divisor_of_the_per_rank_batch():
+    # Issue 54, point 2: only powers of 2 were tried, so a per-rank batch of 6 or 12 sequences had
+    # no 3 or 6 micro-batches, and a layout that needed more than 2 did not fit at all.
+    from atorch.auto.strategy import Strategy
+    from atorch.cli.plan_search import accumulation_choices, memory_retries
+
+    fsdp = Strategy(["parallel_mode", "fsdp"])
+    assert accumulation_choices(fsdp, 12) == [1, 2, 3, 4, 6, 12]
+    assert accumulation_choices(fsdp, 6) == [1, 2, 3, 6]
+    assert accumulation_choices(fsdp, 7) == [1, 7] and accumulation_choices(fsdp, 1) == [1]
+    assert [steps for _, steps in memory_retries(fsdp, 8)] == [1, 2, 4, 8]  # as before for powers of 2
+    pipelined = Strategy([("parallel_mode", ([("pipeline", 2)], None)), ("pipeline_parallel", {"num_microbatches": 2})])
+    assert accumulation_choices(pipelined, 12) == [1]  # a pipeline accumulates over its microbatches

@@ -168,20 +168,18 @@ def _cost_retries(strategy, dims: dict, dp: int, global_batch: int, costed, fitt
 
 
 def accumulation_choices(strategy, per_rank: int) -> list[int]:
-    """Gradient accumulation steps to try, fewest first: 1, then each power of 2 that divides the
-    per-rank batch (micro-batches of at least one sequence), where the strategy's runtime
-    accumulates (auto_accelerate's gradient_accumulation_steps: not under a pipeline, which
-    accumulates over its own microbatches, nor DeepSpeed's engine, which runs its own step)."""
+    """Gradient accumulation steps to try, fewest first: every number that divides the per-rank
+    batch (micro-batches of whole sequences, all alike; 1 is no accumulation), where the
+    strategy's runtime accumulates (auto_accelerate's gradient_accumulation_steps: not under a
+    pipeline, which accumulates over its own microbatches, nor DeepSpeed's engine, which runs its
+    own step). Not only powers of 2: a per-rank batch of 6 sequences that needs more than 2
+    micro-batches fits with 3, where 4 does not divide it."""
     from atorch.auto.registry import get_method
 
     if any("pipeline" in get_method(n).uses_dims for n in strategy.opt_names) \
             or any(getattr(c, "use_ds_zero", False) for _, c in strategy.items()):  # ds_3d_parallel uses pipeline
         return [1]
-    choices, steps = [1], 2
-    while steps <= per_rank and per_rank % steps == 0:
-        choices.append(steps)
-        steps *= 2
-    return choices
+    return [steps for steps in range(1, max(per_rank, 1) + 1) if per_rank % steps == 0] or [1]
 
 
 def memory_retries(strategy, per_rank: int) -> list:
