@@ -10,7 +10,7 @@ config built from a class and one read back from JSON compare equal; a bare clas
 from typing import Annotated, Any
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer, model_serializer
 
 _DTYPE_ALIASES = {
     "fp16": torch.float16,
@@ -92,6 +92,19 @@ class MethodConfig(BaseModel):
     """Base of every method's config: unknown fields are errors, so a typo never passes silently."""
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, validate_assignment=True)
+
+    @model_serializer(mode="wrap")
+    def _omit_later_fields_at_default(self, handler):
+        """A field added after strategies were written (``json_schema_extra={"omitted_at_default":
+        True}``) is left out of the JSON while it holds its default: the strategies and search
+        reports written before it read, and compare, the same."""
+        data = handler(self)
+        if isinstance(data, dict):
+            for name, field in type(self).model_fields.items():
+                extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+                if extra.get("omitted_at_default") and name in data and getattr(self, name) == field.default:
+                    del data[name]
+        return data
 
     def summary(self) -> str:
         """One line for people: the fields that differ from the defaults."""

@@ -99,8 +99,9 @@ def set_gradient_sync(model: torch.nn.Module, on: bool) -> None:
     for module in model.modules():
         if isinstance(module, DistributedDataParallel):
             module.require_backward_grad_sync = on
-        elif isinstance(module, FSDPModule):
-            module.set_requires_gradient_sync(on, recurse=False)
+        elif isinstance(module, FSDPModule):  # fsdp's reduce_every_micro_batch keeps it on
+            module.set_requires_gradient_sync(on or getattr(module, "_atorch_reduce_every_micro_batch", False),
+                                              recurse=False)
 
 
 def accumulation_steps(value: Any) -> int:

@@ -184,7 +184,8 @@ def accumulation_choices(strategy, per_rank: int) -> list[int]:
 
 def memory_retries(strategy, per_rank: int) -> list:
     """``(strategy, accumulation steps)`` to try in turn until one fits: the strategy with each of
-    :func:`accumulation_choices`; for a pipeline layout (pipeline_parallel, mixed_parallel), whose
+    :func:`accumulation_choices` (with fsdp, each also with its gradients reduced every
+    micro-batch, after the default); for a pipeline layout (pipeline_parallel, mixed_parallel), whose
     microbatches are its accumulation, the strategy with its ``num_microbatches`` doubled while
     they divide the per-rank batch (each microbatch smaller, the bubble too: NeMo's 70B runs
     microbatches of one sequence, where the layouts' p and 2p microbatches hold 4-8 sequences a
@@ -201,7 +202,27 @@ def memory_retries(strategy, per_rank: int) -> list:
                 tried.append((Strategy([(n, changed if n == name else c) for n, c in strategy.items()]), 1))
                 microbatches *= 2
             return tried or [(strategy, 1)]
-    return [(strategy, steps) for steps in accumulation_choices(strategy, per_rank)]
+    retries = []
+    for steps in accumulation_choices(strategy, per_rank):
+        retries.append((strategy, steps))
+        if steps > 1 and _keeps_whole_gradients(strategy):
+            retries.append((_reducing_every_micro_batch(strategy), steps))
+    return retries
+
+
+def _keeps_whole_gradients(strategy) -> bool:
+    """fsdp as it runs by default under accumulation: whole gradients until the last micro-batch."""
+    config = dict(strategy.items()).get("fsdp")
+    return config is not None and not config.reduce_every_micro_batch
+
+
+def _reducing_every_micro_batch(strategy):
+    """``strategy`` with fsdp reducing its gradients after every micro-batch (less memory, more
+    traffic: tried after the default at the same accumulation, before more micro-batches)."""
+    from atorch.auto.strategy import Strategy
+
+    return Strategy([(n, c.model_copy(update={"reduce_every_micro_batch": True}) if n == "fsdp" else c)
+                     for n, c in strategy.items()])
 
 
 def _costed(row: dict, model, strategy, dims, steps, state_factor, probe, profile, global_batch, seq_len,

@@ -32,6 +32,10 @@ class FsdpConfig(MethodConfig):
     cpu_offload: bool = Field(default=False, description="keep sharded parameters and optimizer state in CPU memory")
     forward_prefetch: bool = Field(default=False, description="start gathering the next unit's parameters during this unit's forward")
     sync_module_states: bool = Field(default=True, description="start every rank from the first rank's weights")
+    reduce_every_micro_batch: bool = Field(
+        default=False, description="under gradient accumulation, reduce-scatter the gradients after every "
+                                   "micro-batch (sharded gradients accumulate: less memory, more traffic)",
+        json_schema_extra={"omitted_at_default": True})
 
     @model_validator(mode="before")
     @classmethod
@@ -106,6 +110,9 @@ def shard(ctx: ModelContext, config: FsdpConfig) -> None:
         ignored=fsdp2.ignored_parameters(ctx.model, config.atorch_ignored_cls),
         forward_prefetch=config.forward_prefetch,
     )
+    if config.reduce_every_micro_batch:
+        for module in ctx.model.modules():  # atorch/auto/loop.py's set_gradient_sync leaves these on
+            module._atorch_reduce_every_micro_batch = True
     ctx.wrapped_by = "fsdp"
     logger.info("fsdp: %d units (%s) + root sharded over %d ranks", len(units), summary,
                 ctx.topology.data_parallel_size)
@@ -176,20 +183,26 @@ def cost_term(config: FsdpConfig, cost) -> None:
         cost.charge("fsdp", sum(cost.sync_calls.values()))
     # the next unit is gathered while this one computes; gradients reduced as backward makes them
     cost.sync_overlap = {"all_gather": ("forward", "backward"), "reduce_scatter": ("backward",)}
-    accumulation_terms(cost, share)
+    accumulation_terms(cost, share, config.reduce_every_micro_batch)
 
 
-def accumulation_terms(cost, reduce_share: float) -> None:
+def accumulation_terms(cost, reduce_share: float, every_micro_batch: bool = False) -> None:
     """FSDP2 under gradient accumulation, as atorch runs it (atorch/auto/loop.py turns its gradient
     sync off until the last micro-batch): every micro-batch gathers the units again, and the
     unsharded gradients accumulate whole, in the reduce dtype, until the one reduce-scatter: the
     rank's whole piece of them alive through the step. (Megatron and Composer reduce-scatter every
-    micro-batch instead, trading traffic for this memory.)"""
+    micro-batch instead, trading traffic for this memory: ``every_micro_batch``, fsdp's
+    ``reduce_every_micro_batch``, does so: the reduce-scatters run every micro-batch and only the
+    rank's shard of the gradients accumulates.)"""
     steps = cost.accumulation
     if steps <= 1:
         return
     cost.data_sync["params"] = cost.data_sync.get("params", 0) * steps
     cost.sync_calls["all_gather"] = cost.sync_calls.get("all_gather", 1) * steps
+    if every_micro_batch:
+        cost.data_sync["grads"] = cost.data_sync.get("grads", 0) * steps
+        cost.sync_calls["reduce_scatter"] = cost.sync_calls.get("reduce_scatter", 1) * steps
+        return
     whole = cost.param_bytes(trainable_only=True) * cost.weight_scale * cost.split * cost.stage_share
     # the accumulated gradients, whole, at every moment of the step, beside those of the units
     # backward is making (StepCost.accumulated_grads)

@@ -205,5 +205,7 @@ def method_labels(methods) -> list[str]:
             name = "checkpoint (selective)"
         elif name == "gradient_accumulation":
             name = f"gradient_accumulation x{field('steps', 2)}"
+        elif name == "fsdp" and field("reduce_every_micro_batch", False):
+            name = "fsdp (reduce every micro-batch)"
         labels.append(name)
     return labels
