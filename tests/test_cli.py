@@ -351,8 +351,8 @@ def test_the_close_call_timed_side_by_side_leads_the_table_in_its_order_there():
     (["--world-size", "8", "--memory", "inf"], "--memory takes a positive size"),
     (["--world-size", "8", "--memory=-1GiB"], "--memory takes a positive size"),
     (["--world-size", "8", "--memory", "lots"], "--memory takes a positive size"),
-    (["--world-size", "8", "--batch-size", "-2"], "--batch-size takes a positive whole number, got -2"),
-    (["--world-size", "8", "--seq-len", "-5"], "--seq-len takes a positive whole number, got -5"),
+    (["--world-size", "8", "--batch-size", "-2"], "--batch-size takes a positive whole number (at most 1073741824), got -2"),
+    (["--world-size", "8", "--seq-len", "-5"], "--seq-len takes a positive whole number (at most 1073741824), got -5"),
     (["--world-size", "8", "--top", "0"], "--top takes a positive whole number, got 0"),
 ])
 def test_plan_refuses_sizes_that_are_not_positive_by_name(flags, message, capsys):

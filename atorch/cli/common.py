@@ -153,6 +153,9 @@ def build_model(args, dtype=None):
 # Ranks a plan may ask for: the layouts of a million ranks are listed in seconds; 10**12 took
 # minutes and gigabytes, scanning every divisor.
 MAX_RANKS = 2**20
+# A global batch (sequences) or a sequence length past this is no run anyone plans; 10**100 sequences
+# made plan --search list the divisors of the per-rank batch for ever (the fuzz test found it).
+MAX_SEQUENCES = 2**30
 
 
 def positive_int(flag: str, most: int | None = None):

@@ -4,7 +4,7 @@ behind it (bytes per parameter, activation dtype) are printed above the table.""
 
 import sys
 
-from atorch.cli.common import MAX_RANKS, add_model_flags, build_model, positive_int, startup_done
+from atorch.cli.common import MAX_RANKS, MAX_SEQUENCES, add_model_flags, build_model, positive_int, startup_done
 
 GIB = 2**30
 
@@ -20,9 +20,9 @@ def add_parser(sub) -> None:
                            "allocator's fragmentation): 'fits' means within memory - reserve; default: the "
                            "profile's with --search and no --memory (h100_80gb: 6GiB), else 0")
     plan.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    plan.add_argument("--batch-size", type=positive_int("--batch-size"), default=None,
+    plan.add_argument("--batch-size", type=positive_int("--batch-size", MAX_SEQUENCES), default=None,
                       help="global batch (sequences); leave out for model states only (weights, gradients, optimizer)")
-    plan.add_argument("--seq-len", type=positive_int("--seq-len"), default=2048)
+    plan.add_argument("--seq-len", type=positive_int("--seq-len", MAX_SEQUENCES), default=2048)
     plan.add_argument("--dtype", default=None,
                       help="atorch accounting: the model's dtype (default float32); deepspeed: the 16-bit dtype (default bf16)")
     plan.add_argument("--optimizer", default="AdamW", help="a torch.optim class (AdamW, Adam, SGD, Adagrad, ...)")

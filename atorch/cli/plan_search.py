@@ -179,7 +179,13 @@ def accumulation_choices(strategy, per_rank: int) -> list[int]:
     if any("pipeline" in get_method(n).uses_dims for n in strategy.opt_names) \
             or any(getattr(c, "use_ds_zero", False) for _, c in strategy.items()):  # ds_3d_parallel uses pipeline
         return [1]
-    return [steps for steps in range(1, max(per_rank, 1) + 1) if per_rank % steps == 0] or [1]
+    return _divisors(per_rank)
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of ``n``, smallest first, found up to its square root ([1] for n < 1)."""
+    small = [d for d in range(1, math.isqrt(max(n, 1)) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small])) if n >= 1 else [1]
 
 
 def memory_retries(strategy, per_rank: int) -> list:
