@@ -39,8 +39,8 @@ def _train(kind: str, strategy: list) -> dict:
     return {"losses": losses, "weights": weights, "held": held}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind, world", [("mixtral", 2), ("mixtral", 4), ("qwen2_moe", 2),
+                                         pytest.param("qwen2_moe", 4, marks=pytest.mark.slow)])
 def test_expert_parallel_equals_the_single_process(kind, world):
     pytest.importorskip("transformers")
     serial = run_distributed(_train, 1, kind, [])[0]
@@ -90,7 +90,8 @@ COMPOSED = {  # the other methods expert_parallel runs with, against the serial 
 }
 
 
-@pytest.mark.parametrize("name", list(COMPOSED))
+@pytest.mark.parametrize("name", [name if name == "amp_native bf16" else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in COMPOSED])  # amp in the default run, the others with -m slow
 def test_expert_parallel_composes_with(name):
     pytest.importorskip("transformers")
     methods, tolerance = COMPOSED[name]
