@@ -1,7 +1,7 @@
 """The resume matrix (issue 56; what it checks is in tests/checkpoint/matrix.py): every strategy
 saves, and, in new processes, loads under another. The default run loads each strategy's
-checkpoint under the next one (every strategy saves once and loads once) and under itself where
-tests/checkpoint/test_resume.py does not; the slow run loads every pair."""
+checkpoint under the next one (every strategy saves once and loads once) and mixed_parallel's
+under itself; the slow run loads every pair."""
 
 import math
 
@@ -10,7 +10,9 @@ import pytest
 from tests.checkpoint import matrix
 from tests.helpers.dist import run_distributed
 
-SAME_STRATEGY = [(name, name) for name in ("zero2", "pipeline", "mixed")]
+# mixed under itself: its stage's tensor-parallel streams must survive the first step's shape
+# inference (docs/dev/negative_controls.md); zero2 and pipeline under themselves run with -m slow
+SAME_STRATEGY = [("mixed", "mixed")]
 DROPOUT_RTOL = 0.01  # dropout masks differ across strategies: a bound, not an equality
 
 
