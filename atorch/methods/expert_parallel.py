@@ -55,8 +55,13 @@ def _experts(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return found
 
 
+def _count(found: dict[str, torch.nn.Module]) -> int:
+    """How many experts each MoE block holds (``_experts`` checked they agree)."""
+    return next(iter(found.values())).gate_up_proj.shape[0]
+
+
 def resolve(model: torch.nn.Module, config: ExpertParallelConfig) -> ExpertParallelConfig:
-    experts = next(iter(_experts(model).values())).gate_up_proj.shape[0]
+    experts = _count(_experts(model))
     if config.size is not None and experts % config.size:
         raise MethodConfigError(f"expert_parallel: size {config.size} does not divide the {experts} experts; pick "
                                 f"a size that divides {experts}")
@@ -97,7 +102,7 @@ def shard(ctx: ModelContext, config: ExpertParallelConfig) -> None:
         raise MethodConfigError("expert_parallel runs over data-parallel ranks only in this version; parallel_mode "
                                 "has other dims: give it data ranks only")
     found = _experts(ctx.model)
-    experts = next(iter(found.values())).gate_up_proj.shape[0]
+    experts = _count(found)
     size = group_size(data, experts, config.size)
     if size < 2:
         logger.warning("expert_parallel: %d data ranks and %d experts share no divisor above 1: experts stay whole",
@@ -126,11 +131,14 @@ def ineligible(model: torch.nn.Module, config: ExpertParallelConfig, job) -> str
     except MethodConfigError as error:
         return str(error)
     data = job.dims.get("data", 1)
-    experts = next(iter(found.values())).gate_up_proj.shape[0]
+    experts = _count(found)
     if any(size > 1 for name, size in job.dims.items() if name != "data"):
         return "expert_parallel runs over data-parallel ranks only in this version"
-    if math.gcd(data, experts) < 2:
-        return f"expert_parallel: {data} data ranks and {experts} experts share no divisor above 1"
+    try:
+        if group_size(data, experts, config.size) < 2:
+            return f"expert_parallel: {data} data ranks and {experts} experts share no divisor above 1"
+    except WorldSizeError as error:
+        return str(error)
     return None
 
 
@@ -147,7 +155,7 @@ def cost_term(config: ExpertParallelConfig, cost) -> None:
     found = routed_experts(cost.model)
     if not found:
         return
-    experts = next(iter(found.values())).gate_up_proj.shape[0]
+    experts = _count(found)
     size = group_size(cost.dp_size, experts, config.size)
     if size < 2:
         return
