@@ -92,7 +92,8 @@ def sync_gradients(args: dict) -> bool:
 
 
 def set_gradient_sync(model: torch.nn.Module, on: bool) -> None:
-    """Turn the data-parallel gradient reduction of every DDP / FSDP2 wrapper in ``model`` on or off."""
+    """Turn the data-parallel gradient reduction of every DDP / FSDP2 wrapper in ``model`` on or
+    off, and that of expert_parallel's replicated slices (a module's ``_atorch_expert_sync``)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
@@ -102,6 +103,8 @@ def set_gradient_sync(model: torch.nn.Module, on: bool) -> None:
         elif isinstance(module, FSDPModule):  # fsdp's reduce_every_micro_batch keeps it on
             module.set_requires_gradient_sync(on or getattr(module, "_atorch_reduce_every_micro_batch", False),
                                               recurse=False)
+        if isinstance(getattr(module, "_atorch_expert_sync", None), bool):
+            module._atorch_expert_sync = on
 
 
 def accumulation_steps(value: Any) -> int:

@@ -169,6 +169,10 @@ class StepCost:
     # parameter and gradient bytes ({"grads": 2}: an all-reduce); a ring over n ranks moves
     # (n-1)/n of that per rank
     data_sync: dict = field(default_factory=dict)
+    # share of the rank's model piece it holds apart from the data-parallel ranks: slices each rank
+    # holds its own of (expert_parallel's experts), neither sharded by a sharding method nor synced
+    # by the data-parallel sync (their method charges its own communication)
+    held_apart: float = 0.0
     # how many collectives of each kind that sync takes per step, each paying the link's latency:
     # a count (FSDP gathers and reduces unit by unit), or under "bucket_bytes" the bytes per
     # collective (DDP's gradient buckets); one per kind when neither is given
@@ -239,15 +243,15 @@ class StepCost:
     def shard_over_data(self, params: bool, grads: bool, optim: bool) -> None:
         """Divide what a sharding method splits over the data-parallel ranks (its step's
         temporaries follow the optimizer state)."""
-        dp = self.dp_size
+        kept = self.held_apart + (1 - self.held_apart) / self.dp_size  # the slices apart stay whole
         if params:
-            self.params /= dp
+            self.params *= kept
         if grads:
-            self.grads /= dp
+            self.grads *= kept
         if optim:
-            self.optim_state /= dp
-            self.step_temp /= dp
-            self.stepped /= dp
+            self.optim_state *= kept
+            self.step_temp *= kept
+            self.stepped *= kept
 
     def split_model(self, share: float) -> None:
         """Keep ``share`` of the parameters, gradients and optimizer state on this rank."""
@@ -276,7 +280,8 @@ class StepCost:
         forward_only = lambda g: self.forward_gathered if g <= 0 or not self.activation_profile else 0.0  # noqa: E731
         acts, grads, copies, forward = max(((self.activations * a, self.grads_at(g), self.copies * c, forward_only(g))
                                             for a, g, c in moments), key=sum)
-        buckets = (self.grads if self.grad_buckets and self.dp_size > 1 else 0) + self.buffers
+        bucketed = self.grads * (1 - self.held_apart)  # DDP leaves the slices held apart alone
+        buckets = (bucketed if self.grad_buckets and self.dp_size > 1 else 0) + self.buffers
         if self.accumulation > 1:
             buckets += self.accumulated_grads
         return MemoryEstimate(math.ceil(self.params), math.ceil(self.grads), math.ceil(self.optim_state),
@@ -377,8 +382,8 @@ class StepCost:
         (``data_sync["grads"]`` 2: the ring moves them twice) or reduce-scattered (1)."""
         if self.dp_size <= 1:
             return []
-        piece = self.param_bytes() * self.weight_scale * self.split * self.stage_share
-        trainable = self.param_bytes(True) * self.weight_scale * self.split * self.stage_share
+        synced = self.weight_scale * self.split * self.stage_share * (1 - self.held_apart)
+        piece, trainable = self.param_bytes() * synced, self.param_bytes(True) * synced
         grads, params = self.data_sync.get("grads", 0), self.data_sync.get("params", 0)
         out = []
         for kind, payload, times in (("all_gather", piece, params),

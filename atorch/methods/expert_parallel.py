@@ -7,7 +7,9 @@ their experts and come back by all-to-all (atorch/parallel_layers/expert_dispatc
 router, the shared experts and every other weight stay data-parallel under DDP. No token is
 dropped: the result equals the serial model's.
 
-This first version runs under ``parallel_mode``'s DDP over data ranks only, on the fused experts
+Under ``fsdp`` the other weights are sharded over the data ranks and the experts' slices stay
+out of FSDP's units (atorch/sharding/fsdp2.py ``held_per_rank``). This version runs over data
+ranks only, on the fused experts
 of transformers 5 (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: ``gate_up_proj`` / ``down_proj`` of
 shape ``[experts, ...]``); the methods that shard or split weights otherwise are refused with
 the reason, and so is a model without such experts.
@@ -25,10 +27,10 @@ from atorch.auto.method_spec import MethodSpec, Stage, register_method
 from atorch.errors import MethodConfigError, WorldSizeError
 from atorch.utils.log import logger
 
-NOT_YET = ("expert_parallel runs under DDP over data ranks only in this version; {0} shards or splits the "
-           "weights another way; remove one of them")
+NOT_YET = ("expert_parallel runs under DDP or fsdp over data ranks only in this version; {0} shards or splits the "
+           "weights another way; remove one of them (fsdp shards the other weights)")
 _CONFLICTS = {name: NOT_YET.format(name) for name in (
-    "fsdp", "zero1", "zero2", "tensor_parallel", "sequence_parallel", "pipeline_parallel", "mixed_parallel",
+    "zero1", "zero2", "tensor_parallel", "sequence_parallel", "pipeline_parallel", "mixed_parallel",
     "ds_3d_parallel", "genomic_bottleneck", "half")}
 
 
@@ -110,7 +112,7 @@ def shard(ctx: ModelContext, config: ExpertParallelConfig) -> None:
         return
     group, replicas = _groups(data, size)
     for module in found.values():
-        shard_fused_experts(module, group, 1.0 / data, replicas)
+        shard_fused_experts(module, group, replicas)
     ignored = [f"{name}.{weight}" for name in found for weight in ("gate_up_proj", "down_proj")]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(ctx.model, ignored)
     logger.info("expert_parallel: %d experts over groups of %d ranks (%d a rank) in %d MoE blocks", experts, size,
@@ -143,12 +145,15 @@ def ineligible(model: torch.nn.Module, config: ExpertParallelConfig, job) -> str
 
 
 def cost_term(config: ExpertParallelConfig, cost) -> None:
-    """Memory: a rank keeps 1 / size of the routed experts' weights, gradients and optimizer state.
-    Time: each MoE block sends every (token, choice) pair's hidden state to its expert's rank and
-    back in forward, and both again in backward: 4 all-to-alls of tokens x choices x hidden
-    elements, of which (size - 1) / size leave the rank, plus forward's 2 small ones (counts, ids).
-    An all-to-all is priced at the point-to-point rate (``send_recv``): each rank sends its pieces
-    straight to the others. Load imbalance is not modelled: the tokens are taken as spread evenly."""
+    """Memory: a rank keeps 1 / size of the routed experts' weights, gradients and optimizer state,
+    held apart from the data ranks (``StepCost.held_apart``: fsdp does not shard them, the data
+    sync does not carry them). Time: each MoE block sends every (token, choice) pair's hidden
+    state to its expert's rank and back in forward, and both again in backward: 4 all-to-alls of
+    tokens x choices x hidden elements, of which (size - 1) / size leave the rank, plus forward's
+    2 small ones (counts, ids). An all-to-all is priced at the point-to-point rate
+    (``send_recv``): each rank sends its pieces straight to the others. Groups smaller than the
+    data ranks average each slice's gradients over its copies once a step (a ring all-reduce of
+    the rank's experts). Load imbalance is not modelled: the tokens are taken as spread evenly."""
     from atorch.auto.step_cost import Comm
     from atorch.parallel_layers.experts import routed_experts
 
@@ -160,15 +165,22 @@ def cost_term(config: ExpertParallelConfig, cost) -> None:
     if size < 2:
         return
     routed = sum(p.numel() * p.element_size() for module in found.values() for p in module.parameters())
-    share = 1 - routed / max(cost.param_bytes(), 1) * (1 - 1 / size)
+    fraction = routed / max(cost.param_bytes(), 1)
+    share = 1 - fraction * (1 - 1 / size)
     cost.split_model(share)
     cost.split *= share
+    cost.held_apart = fraction / size / share
     choices = _choices(cost.model)
     hidden = next(iter(found.values())).gate_up_proj.shape[-1]
     leaving = (size - 1) / size
     blocks = len(found)
     cost.comms.append(Comm("data", 4 * blocks * cost.tokens * choices * hidden * leaving, 6 * blocks,
                            kind="send_recv", method="expert_parallel"))
+    copies = cost.dp_size // size
+    if copies > 1:  # one all-reduce per slice (2 a block), of the rank's experts' gradients
+        local = sum(p.numel() for module in found.values() for p in module.parameters()) / size
+        cost.comms.append(Comm("data", local, 2 * blocks, factor=2 * (copies - 1) / copies,
+                               method="expert_parallel"))
 
 
 def _choices(model: torch.nn.Module) -> int:

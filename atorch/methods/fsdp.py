@@ -132,23 +132,33 @@ def compute_dtype_share(cost, dtype: torch.dtype | None = None) -> float:
     return min(1.0, itemsize / cost.element_bytes())
 
 
-def unit_bytes(model: torch.nn.Module, config: FsdpConfig) -> tuple[list[int], int]:
+def unit_bytes(model: torch.nn.Module, config: FsdpConfig, apart: bool = False) -> tuple[list[int], int]:
     """Parameter bytes of each unit :func:`shard` makes (without the units nested in it), and of
-    the root's own: whatever no unit holds (a Llama's embedding, final norm and head)."""
+    the root's own: whatever no unit holds (a Llama's embedding, final norm and head). With
+    ``apart``, without the routed experts, which expert_parallel holds apart from the units."""
+    from atorch.parallel_layers.experts import routed_experts
+
     names = fsdp2.choose_units(model, config.atorch_wrap_cls, config.atorch_size_based_min_num_params,
                                config.atorch_ignored_cls, config.wrap_trainable_outmost)
-    return fsdp2.unit_sizes(model, [(name,) for name in names])  # innermost first, as choose_units lists them
+    skip = {id(p) for m in routed_experts(model).values() for p in m.parameters()} if apart else set()
+    # innermost first, as choose_units lists them
+    return fsdp2.unit_sizes(model, [(name,) for name in names], skip)
 
 
 def cost_term(config: FsdpConfig, cost) -> None:
+    synced_grads = cost.grads * (1 - cost.held_apart)  # the rank's piece, less the slices held apart
     cost.shard_over_data(params=True, grads=True, optim=True)
     cost.grad_buckets = False  # it replaces DDP
     cost.step_temp = cost.stepped  # the local step runs foreach kernels over the shards (local_step.py)
     low = compute_dtype_share(cost, config.param_dtype)  # gathered parameters and their gradients
     # the reduce-scatter's dtype: the policy's reduce_dtype (fp32 under amp), else param_dtype
     reduce = config.reduce_dtype or (config.param_dtype if "amp_native" not in cost.methods else torch.float32)
-    units, root = once(("fsdp units", id(cost.model), config.model_dump_json()), lambda: unit_bytes(cost.model, config))
+    apart = cost.held_apart > 0
+    units, root = once(("fsdp units", id(cost.model), config.model_dump_json(), apart),
+                       lambda: unit_bytes(cost.model, config, apart))
     scale = cost.weight_scale * cost.split
+    if apart:  # the units' bytes without the slices held apart: the rank's piece less those
+        scale *= (1 - cost.held_apart) * cost.param_bytes() / max(sum(units) + root, 1)
     unit, root = max(units, default=0) * scale * low, root * scale * low
     # The root is gathered from the first forward to the end of forward, and again through all
     # of backward, where its gradients (the head's come first) stay whole until its
@@ -160,7 +170,7 @@ def cost_term(config: FsdpConfig, cost) -> None:
     kept = sum(units) * scale * low if not config.reshard_after_forward else 2 * unit
     cost.gathered += root + kept
     cost.unit_grads += root + 2 * unit
-    cost.whole_grads = cost.grads * cost.dp_size * low
+    cost.whole_grads = synced_grads * low
     # A unit's reduce-scatter copies its whole gradients into a flat buffer in the reduce dtype:
     # both exist at once at the end of its backward (the root's, the last, is often the largest:
     # a Llama's embedding and head), with the activations mostly gone.
@@ -204,6 +214,7 @@ def accumulation_terms(cost, reduce_share: float, every_micro_batch: bool = Fals
         cost.sync_calls["reduce_scatter"] = cost.sync_calls.get("reduce_scatter", 1) * steps
         return
     whole = cost.param_bytes(trainable_only=True) * cost.weight_scale * cost.split * cost.stage_share
+    whole *= 1 - cost.held_apart  # the slices held apart accumulate in their .grad (counted in grads)
     # the accumulated gradients, whole, at every moment of the step, beside those of the units
     # backward is making (StepCost.accumulated_grads)
     cost.accumulated_grads = whole * reduce_share

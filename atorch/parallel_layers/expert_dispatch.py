@@ -31,14 +31,22 @@ def fused_shape(module: nn.Module) -> str | None:
     return None
 
 
-def shard_fused_experts(module: nn.Module, group, scale: float, replicas=None) -> None:
+def shard_fused_experts(module: nn.Module, group, replicas=None) -> None:
     """Keep this rank's slice of ``module``'s experts and route its tokens over ``group``.
 
-    ``scale`` multiplies the experts' gradients (1 / the data-parallel size: each rank's loss is
-    averaged over the data ranks as DDP averages the other gradients); ``replicas``, when the same
-    slice lives on other ranks (expert groups smaller than the data ranks), sums their gradients.
+    A slice's gradient, which the all-to-all's backward brings from every token of the group, is
+    divided by the group's size: each rank's loss is a mean over its own tokens, averaged over
+    the ranks as DDP averages the other gradients. ``replicas``, when the same slice lives on other
+    ranks (expert groups smaller than the data ranks), averages it over them; under gradient
+    accumulation after the last micro-batch only (``module._atorch_expert_sync``, which
+    atorch/auto/loop.py's ``set_gradient_sync`` turns off for the others). An average, not a sum:
+    averaging again what is already equal on every replica leaves it equal, so a loop that never
+    turns it off stays right.
     """
     size, rank = dist.get_world_size(group), dist.get_rank(group)
+    scale = 1.0 / size
+    replicated = replicas is not None and dist.get_world_size(replicas) > 1
+    module._atorch_expert_sync = True
     experts = module.gate_up_proj.shape[0]
     local = experts // size
     for name in ("gate_up_proj", "down_proj"):
@@ -50,11 +58,17 @@ def shard_fused_experts(module: nn.Module, group, scale: float, replicas=None) -
         # a tensor-parallel layer's (atorch/checkpoint/state.py reads these and ``module.group``)
         shard.tensor_model_parallel, shard.partition_dim = True, 0
         shard.register_hook(lambda grad: grad * scale)
-        if replicas is not None and dist.get_world_size(replicas) > 1:
-            shard.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(p.grad, group=replicas))
+        if replicated:
+            shard.register_post_accumulate_grad_hook(lambda p: _average(p, module, replicas))
         setattr(module, name, shard)
     module.group = group
     module.forward = _Dispatch(module, group, size, rank, local)
+
+
+def _average(param: nn.Parameter, module: nn.Module, replicas) -> None:
+    if module._atorch_expert_sync:
+        dist.all_reduce(param.grad, group=replicas)
+        param.grad.div_(dist.get_world_size(replicas))
 
 
 class _Dispatch:
@@ -92,8 +106,11 @@ class _Dispatch:
             where = (ids == expert).nonzero().squeeze(-1)
             if where.numel() == 0:
                 continue
-            gate, up = F.linear(rows[where], module.gate_up_proj[expert]).chunk(2, dim=-1)
-            part = F.linear(module.act_fn(gate) * up, module.down_proj[expert])
+            # in the rows' dtype: fsdp's mixed precision hands the block bf16 inputs while the
+            # experts' slices, outside its units, stay fp32 (a differentiable cast, as FSDP's)
+            gate_up, down = module.gate_up_proj[expert], module.down_proj[expert]
+            gate, up = F.linear(rows[where], gate_up.to(rows.dtype)).chunk(2, dim=-1)
+            part = F.linear(module.act_fn(gate) * up, down.to(rows.dtype))
             out = out.index_add(0, where, part.to(out.dtype))
             used = True
         if not used and torch.is_grad_enabled():

@@ -107,11 +107,13 @@ def group_units(model: torch.nn.Module, units: Sequence[str], bucket_params: int
     return groups
 
 
-def unit_sizes(model: torch.nn.Module, units: Sequence[Sequence[str]]) -> tuple[list[int], int]:
+def unit_sizes(model: torch.nn.Module, units: Sequence[Sequence[str]],
+               skip: set[int] = frozenset()) -> tuple[list[int], int]:
     """Parameter bytes each FSDP unit holds (a unit: the names of the modules it wraps, innermost
     units first, so a unit does not hold what a unit inside it holds), and the root's own: what no
-    unit holds (a Llama's embedding, final norm and head)."""
-    claimed: set[int] = set()
+    unit holds (a Llama's embedding, final norm and head); parameters whose ids are in ``skip``
+    (left out of FSDP) are in neither."""
+    claimed: set[int] = set(skip)
     sizes = []
     for names in units:
         params = [p for name in names for p in model.get_submodule(name).parameters() if id(p) not in claimed]
@@ -124,12 +126,20 @@ def ignored_parameters(model: torch.nn.Module, ignored_names: Sequence[str]) -> 
     return {p for m in model.modules() if _matches(m, ignored_names) for p in m.parameters()}
 
 
+def held_per_rank(param: torch.Tensor) -> bool:
+    """A weight each rank holds a different slice of (expert_parallel's experts): never broadcast,
+    sharded or averaged over the data ranks (its method reduces its gradients itself)."""
+    return getattr(param, "expert_parallel", False)
+
+
 def broadcast_module_states(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
-    """Every rank starts from the first rank's parameters and buffers, as DDP does."""
+    """Every rank starts from the first rank's parameters and buffers, as DDP does; each rank's
+    own slices (:func:`held_per_rank`) stay its own."""
     src = dist.get_global_rank(group, 0)
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(tensor.data, src=src, group=group)
+            if not held_per_rank(tensor):
+                dist.broadcast(tensor.data, src=src, group=group)
 
 
 def _average_grad_hook(group: dist.ProcessGroup):
@@ -163,12 +173,13 @@ def shard_model(
         "mp_policy": mp_policy or MixedPrecisionPolicy(),
         "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
     }
-    if ignored:
-        kwargs["ignored_params"] = set(ignored)
+    own = {p for p in model.parameters() if held_per_rank(p)}
+    if ignored or own:
+        kwargs["ignored_params"] = set(ignored) | own
         # FSDP leaves ignored parameters alone, gradients included; average trainable ones here
-        # so every rank still takes the same step.
+        # so every rank still takes the same step (the per-rank slices' method reduces theirs).
         hook = _average_grad_hook(mesh.get_group())
-        for param in ignored:
+        for param in set(ignored) - own:
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(hook)
     modules = dict(model.named_modules())

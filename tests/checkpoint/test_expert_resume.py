@@ -1,7 +1,8 @@
 """A checkpoint of a job under expert_parallel holds the whole experts (each rank's slice, stored
 as one weight split over the expert group): saved on 2 ranks after 2 steps, it loads in new
 processes under expert_parallel and under ddp, and in one process, and each continues as the
-uninterrupted run does (fp32, 1e-5)."""
+uninterrupted run does (fp32, 1e-5). Saved under expert_parallel with fsdp, it loads under the
+same and under fsdp alone."""
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 from tests.helpers.dist import run_distributed
 
 EP = ["parallel_mode", "expert_parallel"]
+EP_FSDP = ["parallel_mode", "fsdp", "expert_parallel"]
 
 
 def _build(strategy):
@@ -33,10 +35,10 @@ def _steps(result, count: int, batches=None) -> list[float]:
     return losses
 
 
-def save_and_continue(directory: str) -> list[float]:
+def save_and_continue(directory: str, strategy: list = EP) -> list[float]:
     import atorch.checkpoint as ckpt
 
-    result = _build(EP)
+    result = _build(strategy)
     batches = iter(result.dataloader)  # one epoch's iterator throughout, as a training loop keeps it
     _steps(result, 2, batches)
     ckpt.save(directory, result.model, result.optim, dataloader=result.dataloader)
@@ -63,3 +65,15 @@ def test_a_checkpoint_under_expert_parallel_resumes_under_any_strategy(tmp_path,
         assert resumed == pytest.approx(uninterrupted, rel=1e-5), strategy
     if elsewhere:
         assert run_distributed(load_and_continue, 1, directory, [])[0] == pytest.approx(uninterrupted, rel=1e-5)
+
+
+@pytest.mark.parametrize("elsewhere", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_checkpoint_under_expert_parallel_and_fsdp_resumes(tmp_path, elsewhere):
+    """The experts' slices (plain tensors split over the expert group) beside fsdp's sharded
+    weights: under the same strategy by default; with -m slow under fsdp alone."""
+    pytest.importorskip("transformers")
+    directory = str(tmp_path / "ck")
+    uninterrupted = run_distributed(save_and_continue, 2, directory, EP_FSDP, fresh=True)[0]
+    strategy = ["parallel_mode", "fsdp"] if elsewhere else EP_FSDP
+    resumed = run_distributed(load_and_continue, 2, directory, strategy, fresh=True)[0]
+    assert resumed == pytest.approx(uninterrupted, rel=1e-5), strategy
