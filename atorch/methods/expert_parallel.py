@@ -2,17 +2,19 @@
 
 ``("expert_parallel", None)`` splits each MoE block's routed experts over as many data-parallel
 ranks as divide both the ranks and the experts; ``{"size": n}`` over groups of n of them (the
-experts' slices then repeat over data / n groups, whose gradients are summed). Tokens reach
+experts' slices then repeat over data / n groups, whose gradients are averaged). Tokens reach
 their experts and come back by all-to-all (atorch/parallel_layers/expert_dispatch.py); the
-router, the shared experts and every other weight stay data-parallel under DDP. No token is
-dropped: the result equals the serial model's.
+router, the shared experts and every other weight stay data-parallel, replicated under DDP or
+sharded under ``fsdp`` (the experts' slices stay out of its units: atorch/sharding/fsdp2.py
+``held_per_rank``). No token is dropped unless ``capacity_factor`` is set: the result equals
+the serial model's.
 
-Under ``fsdp`` the other weights are sharded over the data ranks and the experts' slices stay
-out of FSDP's units (atorch/sharding/fsdp2.py ``held_per_rank``). This version runs over data
-ranks only, on the fused experts
-of transformers 5 (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: ``gate_up_proj`` / ``down_proj`` of
-shape ``[experts, ...]``); the methods that shard or split weights otherwise are refused with
-the reason, and so is a model without such experts.
+Two shapes of experts: the fused experts of transformers 5 (Mixtral, Qwen2-MoE, Qwen3-MoE,
+OLMoE: ``gate_up_proj`` / ``down_proj`` of shape ``[experts, ...]``), and a ModuleList of expert
+MLPs beside a router, whose block is computed as it computes itself (checked on a probe:
+atorch/parallel_layers/expert_list.py). The methods that shard or split weights otherwise are
+refused with the reason, and so is a model without such experts. This version runs over data
+ranks only.
 """
 
 import math
@@ -37,21 +39,28 @@ _CONFLICTS = {name: NOT_YET.format(name) for name in (
 class ExpertParallelConfig(MethodConfig):
     size: int | None = Field(default=None, ge=2, description="ranks in each expert group; None: as many data "
                                                             "ranks as divide the experts")
+    capacity_factor: float | None = Field(
+        default=None, gt=0, description="each expert takes at most ceil(factor x pairs / experts) (token, choice) "
+                                        "pairs from each rank, the rest dropped (then not equal to serial); None: "
+                                        "no pair dropped", json_schema_extra={"omitted_at_default": True})
 
 
 def _experts(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The routed experts by name, checked by structure: fused experts this dispatch computes, or a
+    ModuleList beside a router (whose routing is checked against the block's own forward when
+    it is sharded: :func:`atorch.parallel_layers.expert_list.match_block`)."""
     from atorch.parallel_layers.expert_dispatch import fused_shape
-    from atorch.parallel_layers.experts import routed_experts
+    from atorch.parallel_layers.experts import expert_count, routed_experts
 
     found = routed_experts(model)
     if not found:
         raise MethodConfigError(f"expert_parallel: {type(model).__name__} has no routed experts (a mixture-of-"
                                 "experts block: fused expert weights, or an experts ModuleList beside a router)")
     for name, module in found.items():
-        why = fused_shape(module)
+        why = None if isinstance(module, torch.nn.ModuleList) else fused_shape(module)
         if why is not None:
             raise MethodConfigError(f"expert_parallel: {name}: {why}")
-    counts = {module.gate_up_proj.shape[0] for module in found.values()}
+    counts = {expert_count(module) for module in found.values()}
     if len(counts) != 1:
         raise MethodConfigError(f"expert_parallel: the MoE blocks hold different numbers of experts {sorted(counts)}")
     return found
@@ -59,7 +68,19 @@ def _experts(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 def _count(found: dict[str, torch.nn.Module]) -> int:
     """How many experts each MoE block holds (``_experts`` checked they agree)."""
-    return next(iter(found.values())).gate_up_proj.shape[0]
+    from atorch.parallel_layers.experts import expert_count
+
+    return expert_count(next(iter(found.values())))
+
+
+def _hidden(model: torch.nn.Module, found: dict[str, torch.nn.Module]) -> int:
+    """The width of the hidden states the experts take."""
+    from atorch.parallel_layers.expert_list import in_features
+
+    module = next(iter(found.values()))
+    if not isinstance(module, torch.nn.ModuleList):
+        return module.gate_up_proj.shape[-1]
+    return getattr(getattr(model, "config", None), "hidden_size", None) or in_features(module[0]) or 0
 
 
 def resolve(model: torch.nn.Module, config: ExpertParallelConfig) -> ExpertParallelConfig:
@@ -96,8 +117,6 @@ def _groups(world: int, size: int):
 def shard(ctx: ModelContext, config: ExpertParallelConfig) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
-    from atorch.parallel_layers.expert_dispatch import shard_fused_experts
-
     topology = ctx.topology
     data = topology.data_parallel_size
     if dist.get_world_size() != data:
@@ -110,13 +129,38 @@ def shard(ctx: ModelContext, config: ExpertParallelConfig) -> None:
         logger.warning("expert_parallel: %d data ranks and %d experts share no divisor above 1: experts stay whole",
                        data, experts)
         return
+    routed = _routed_blocks(ctx.model, found)  # checked on every block before any is changed
     group, replicas = _groups(data, size)
-    for module in found.values():
-        shard_fused_experts(module, group, replicas)
-    ignored = [f"{name}.{weight}" for name in found for weight in ("gate_up_proj", "down_proj")]
+    for name, module in found.items():
+        _shard_one(module, routed.get(name), group, replicas, config.capacity_factor)
+    ignored = [name for name, p in ctx.model.named_parameters() if getattr(p, "expert_parallel", False)]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(ctx.model, ignored)
     logger.info("expert_parallel: %d experts over groups of %d ranks (%d a rank) in %d MoE blocks", experts, size,
                 experts // size, len(found))
+
+
+def _routed_blocks(model: torch.nn.Module, found: dict) -> dict:
+    """For each ModuleList of experts, the RoutedBlock that computes its block as the block does."""
+    from atorch.parallel_layers.expert_list import match_block
+    from atorch.parallel_layers.experts import block_of
+
+    routed = {}
+    for name, module in found.items():
+        if isinstance(module, torch.nn.ModuleList):
+            routed[name], why = match_block(block_of(model, name), module, getattr(model, "config", None))
+            if why is not None:
+                raise MethodConfigError(f"expert_parallel: {name}: {why}")
+    return routed
+
+
+def _shard_one(module: torch.nn.Module, routed, group, replicas, capacity_factor) -> None:
+    from atorch.parallel_layers.expert_dispatch import shard_fused_experts
+    from atorch.parallel_layers.expert_list import shard_listed_experts
+
+    if routed is None:
+        shard_fused_experts(module, group, replicas, capacity_factor)
+    else:
+        shard_listed_experts(routed.block, module, routed, group, replicas, capacity_factor)
 
 
 def has_experts(model: torch.nn.Module) -> bool:
@@ -171,7 +215,7 @@ def cost_term(config: ExpertParallelConfig, cost) -> None:
     cost.split *= share
     cost.held_apart = fraction / size / share
     choices = _choices(cost.model)
-    hidden = next(iter(found.values())).gate_up_proj.shape[-1]
+    hidden = _hidden(cost.model, found)
     leaving = (size - 1) / size
     blocks = len(found)
     cost.comms.append(Comm("data", 4 * blocks * cost.tokens * choices * hidden * leaving, 6 * blocks,

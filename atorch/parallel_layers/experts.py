@@ -33,8 +33,17 @@ def _fused(module: nn.Module) -> bool:
 def _listed(name: str, module: nn.Module, model: nn.Module) -> bool:
     if not (isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] == "experts" and len(module) > 1):
         return False
-    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-    return any(hasattr(parent, router) for router in ("gate", "router"))
+    return any(hasattr(block_of(model, name), router) for router in ("gate", "router"))
+
+
+def expert_count(module: nn.Module) -> int:
+    """How many routed experts a module :func:`routed_experts` found holds."""
+    return len(module) if isinstance(module, nn.ModuleList) else module.num_experts
+
+
+def block_of(model: nn.Module, name: str) -> nn.Module:
+    """The MoE block that holds the experts named ``name`` (for a ModuleList: the router's owner)."""
+    return model.get_submodule(name.rpartition(".")[0]) if "." in name else model
 
 
 def experts_summary(model: nn.Module) -> tuple[int, float] | None:
