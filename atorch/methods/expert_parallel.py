@@ -33,7 +33,7 @@ NOT_YET = ("expert_parallel runs under DDP or fsdp over data ranks only in this 
            "weights another way; remove one of them (fsdp shards the other weights)")
 _CONFLICTS = {name: NOT_YET.format(name) for name in (
     "zero1", "zero2", "tensor_parallel", "sequence_parallel", "pipeline_parallel", "mixed_parallel",
-    "ds_3d_parallel", "genomic_bottleneck", "half")}
+    "ds_3d_parallel", "genomic_bottleneck")}
 
 
 class ExpertParallelConfig(MethodConfig):

@@ -48,6 +48,8 @@ VARIANTS = {
     "mixed_parallel": ("mixed_parallel", {"num_microbatches": 2}),
     "ds_3d_parallel": ("ds_3d_parallel", {"num_microbatches": 2}),
     "genomic_bottleneck": ("genomic_bottleneck", {"min_numel": 1024, "tile_size": 16, "lr": 1e-2}),
+    # its cases train the tiny Mixtral (4 experts, top-2) instead of the Llama: see tiny_model
+    "expert_parallel": ("expert_parallel", {}),
 }
 # Backends this machine may lack: their variants are planned but not run without them.
 NEEDS = {"zero1_ds": "deepspeed", "zero2_ds": "deepspeed", "ds_3d_parallel": "deepspeed", "zero2_fairscale": "fairscale"}
@@ -107,18 +109,20 @@ def precision(case: tuple[str, ...]) -> str:
     return "bf16" if "amp_native" in case else "fp32"
 
 
-def reference_key(case: tuple[str, ...]) -> tuple[str, bool]:
-    """(precision, genomic): the serial run a case is compared with."""
-    return precision(case), "genomic_bottleneck" in case
+def reference_key(case: tuple[str, ...]) -> tuple[str, bool, bool]:
+    """(precision, genomic, moe): the serial run a case is compared with."""
+    return precision(case), "genomic_bottleneck" in case, "expert_parallel" in case
 
 
 # --------------------------------------------------------------------------- serial references
 
 
-def tiny_model(seed: int = 0):
+def tiny_model(seed: int = 0, moe: bool = False):
+    """The tiny Llama, or with ``moe`` the tiny Mixtral (the same vocabulary; seeded inside)."""
     from tests.helpers.hf import tiny_llama
+    from tests.methods.test_tensor_parallel_moe import tiny_moe
 
-    return tiny_llama(seed)
+    return tiny_moe("mixtral") if moe else tiny_llama(seed)
 
 
 def dataset():
@@ -135,7 +139,7 @@ def batches():
             for s in range(STEPS)]
 
 
-def serial_losses(kind: str, genomic: bool = False, lr: float = LR) -> list[float]:
+def serial_losses(kind: str, genomic: bool = False, moe: bool = False, lr: float = LR) -> list[float]:
     """Plain PyTorch: AdamW on the whole global batch, fp32, bf16 autocast, or a bf16 model.
 
     With ``genomic`` the model is the g-net-generated one, so the reference is atorch's own
@@ -144,7 +148,7 @@ def serial_losses(kind: str, genomic: bool = False, lr: float = LR) -> list[floa
     if genomic:
         case = ("genomic_bottleneck", "amp_native") if kind == "bf16" else ("genomic_bottleneck",)
         return train_case(case, 1)["losses"]
-    model = tiny_model()
+    model = tiny_model(moe=moe)
     if kind == "half":
         model = model.to(torch.bfloat16)
     optim = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -167,7 +171,7 @@ def _accelerate(case: tuple[str, ...], world: int, normalization: str = "tokens"
     from atorch.auto import auto_accelerate
 
     return auto_accelerate(
-        tiny_model(), torch.optim.AdamW, dataset(), lambda batch, out: out.loss, optim_args={"lr": LR},
+        tiny_model(moe="expert_parallel" in case), torch.optim.AdamW, dataset(), lambda batch, out: out.loss, optim_args={"lr": LR},
         dataloader_args={"batch_size": BATCH}, model_input_format="unpack_dict",
         load_strategy=strategy_list(case, world), loss_normalization=normalization,
     )

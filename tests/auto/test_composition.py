@@ -16,7 +16,8 @@ from tests.helpers.dist import run_distributed
 # Measured on the tiny Llama (4 AdamW steps, lr 1e-2, global batch 8), max relative loss gap to
 # the serial reference of the same precision: fp32 pairs 0 to 1.9e-7; bf16 autocast pairs under
 # DDP/TP/pipeline 2.6e-4 to 3.1e-4, under FSDP2 mixed precision (bf16 parameters) 1.6e-3; a bf16
-# model (half) 4e-4 to 1.3e-3. Training moves the loss 8% per step, so a run that does not
+# model (half) 4e-4 to 1.3e-3. expert_parallel's cases train a tiny Mixtral (4 experts, top-2)
+# against its own serial run. Training moves the loss 8% per step, so a run that does not
 # train, or trains another model, is far outside (the negative controls below show it).
 FP32_RTOL = 1e-5
 BF16_RTOL = 3e-3
@@ -149,6 +150,7 @@ DEFAULT_PAIRS = [
     ("zero1", "module_replace"), ("module_replace", "mixed_parallel"),
     ("fsdp", "amp_native"), ("pipeline_parallel", "checkpoint"),
     ("checkpoint_selective", "tensor_parallel"), ("gradient_accumulation", "fsdp"),
+    ("amp_native", "expert_parallel"), ("expert_parallel", "fsdp"),  # on the tiny Mixtral
 ]
 
 
@@ -209,6 +211,7 @@ TRIPLES = [
     ("zero2", "amp_native"), ("zero2_fairscale", "amp_native"), ("zero2_ds", "amp_native"),
     ("genomic_bottleneck", "amp_native"),
     ("tensor_parallel", "zero1"),
+    ("expert_parallel", "fsdp", "amp_native"),
 ]
 
 

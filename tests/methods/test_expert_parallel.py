@@ -96,11 +96,11 @@ COMPOSED = {  # the other methods expert_parallel runs with, against the serial 
 }
 
 
-DEFAULT_RUN = ("amp_native bf16", "fsdp amp_native bf16")
+DEFAULT_RUN = ("fsdp amp_native bf16",)  # the composition matrix's default run has amp and fsdp alone
 
 
 @pytest.mark.parametrize("name", [name if name in DEFAULT_RUN else pytest.param(name, marks=pytest.mark.slow)
-                                  for name in COMPOSED])  # amp and fsdp under amp by default, the others -m slow
+                                  for name in COMPOSED])  # fsdp under amp by default, the others -m slow
 def test_expert_parallel_composes_with(name):
     pytest.importorskip("transformers")
     methods, tolerance = COMPOSED[name]
