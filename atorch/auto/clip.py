@@ -19,8 +19,9 @@ def grad_norm(parameters: torch.nn.Module | Iterable[torch.Tensor], norm_type: f
 
     Plain gradients (DDP, ZeRO-1: the same on every rank) count once; sharded DTensor gradients
     (fsdp, zero2) contribute their local shard and are summed over the mesh dims they are split on.
-    A plain parameter with a ``shard_group`` attribute (a process group, as the 3D layers of
-    atorch.intra_layer set) holds a different piece on each rank of that group: summed over it.
+    A parameter with a ``shard_group`` attribute (a process group, as the 3D layers of
+    atorch.intra_layer and expert_parallel's slices set) holds a different piece on each rank of
+    that group: summed over it too (after its mesh dims where fsdp shards it as well).
     """
     params = parameters.parameters() if isinstance(parameters, torch.nn.Module) else parameters
     params = [p for p in params if p.grad is not None]
@@ -30,7 +31,7 @@ def grad_norm(parameters: torch.nn.Module | Iterable[torch.Tensor], norm_type: f
     groups: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
         g = p.grad
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        key = (g.device_mesh, tuple(g.placements), getattr(p, "shard_group", None)) if isinstance(g, DTensor) else None
         if key is None and getattr(p, "shard_group", None) is not None:
             key = ("group", p.shard_group)
         groups.setdefault(key, []).append(g.to_local() if isinstance(g, DTensor) else g)
@@ -40,11 +41,13 @@ def grad_norm(parameters: torch.nn.Module | Iterable[torch.Tensor], norm_type: f
         if key is not None and isinstance(key[0], str):  # ("group", shard_group)
             dist.all_reduce(part, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=key[1])
         elif key is not None:
-            mesh, placements = key
+            mesh, placements, pieces = key
+            op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
             for dim, placement in enumerate(placements):
                 if isinstance(placement, Shard):
-                    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
                     dist.all_reduce(part, op=op, group=mesh.get_group(dim))
+            if pieces is not None:
+                dist.all_reduce(part, op=op, group=pieces)
         parts.append(part)
     total = torch.stack([p.to(parts[0].device) for p in parts])
     return total.max() if is_inf else total.sum() ** (1.0 / norm_type)

@@ -173,6 +173,9 @@ class StepCost:
     # holds its own of (expert_parallel's experts), neither sharded by a sharding method nor synced
     # by the data-parallel sync (their method charges its own communication)
     held_apart: float = 0.0
+    # ranks over which a sharding method still shards those slices (fsdp over the ranks that hold
+    # the same experts: EP x FSDP); 1: kept whole
+    apart_copies: int = 1
     # how many collectives of each kind that sync takes per step, each paying the link's latency:
     # a count (FSDP gathers and reduces unit by unit), or under "bucket_bytes" the bytes per
     # collective (DDP's gradient buckets); one per kind when neither is given
@@ -243,7 +246,7 @@ class StepCost:
     def shard_over_data(self, params: bool, grads: bool, optim: bool) -> None:
         """Divide what a sharding method splits over the data-parallel ranks (its step's
         temporaries follow the optimizer state)."""
-        kept = self.held_apart + (1 - self.held_apart) / self.dp_size  # the slices apart stay whole
+        kept = self.held_apart / self.apart_copies + (1 - self.held_apart) / self.dp_size
         if params:
             self.params *= kept
         if grads:

@@ -142,6 +142,8 @@ def _split_dims(module: torch.nn.Module) -> dict[str, int]:
         dims = {"weight": 1}
     elif isinstance(module, ParallelEmbedding):
         dims = {"weight": 1 if module.shard_across_embedding else 0}
+    elif isinstance(getattr(module, "split_dims", None), dict):  # expert_parallel's slices (under fsdp too)
+        dims = dict(module.split_dims)
     else:
         dims = {name: p.partition_dim for name, p in module.named_parameters(recurse=False)
                 if getattr(p, "tensor_model_parallel", False)}

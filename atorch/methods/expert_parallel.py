@@ -131,8 +131,10 @@ def shard(ctx: ModelContext, config: ExpertParallelConfig) -> None:
         return
     routed = _routed_blocks(ctx.model, found)  # checked on every block before any is changed
     group, replicas = _groups(data, size)
+    # under fsdp, slices held by several ranks are sharded over those copies (EP x FSDP)
+    copies_of = data if ctx.strategy is not None and ctx.strategy.get("fsdp") is not None and size < data else None
     for name, module in found.items():
-        _shard_one(module, routed.get(name), group, replicas, config.capacity_factor)
+        _shard_one(module, routed.get(name), group, replicas, config.capacity_factor, copies_of)
     ignored = [name for name, p in ctx.model.named_parameters() if getattr(p, "expert_parallel", False)]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(ctx.model, ignored)
     logger.info("expert_parallel: %d experts over groups of %d ranks (%d a rank) in %d MoE blocks", experts, size,
@@ -153,14 +155,16 @@ def _routed_blocks(model: torch.nn.Module, found: dict) -> dict:
     return routed
 
 
-def _shard_one(module: torch.nn.Module, routed, group, replicas, capacity_factor) -> None:
-    from atorch.parallel_layers.expert_dispatch import shard_fused_experts
+def _shard_one(module: torch.nn.Module, routed, group, replicas, capacity_factor, copies_of) -> None:
+    from atorch.parallel_layers.expert_dispatch import over_copies, shard_fused_experts
     from atorch.parallel_layers.expert_list import shard_listed_experts
 
     if routed is None:
-        shard_fused_experts(module, group, replicas, capacity_factor)
+        shard_fused_experts(module, group, replicas, capacity_factor, hooks=copies_of is None)
+        if copies_of is not None:
+            over_copies(module, group, replicas, copies_of)
     else:
-        shard_listed_experts(routed.block, module, routed, group, replicas, capacity_factor)
+        shard_listed_experts(routed.block, module, routed, group, replicas, capacity_factor, copies_of)
 
 
 def has_experts(model: torch.nn.Module) -> bool:
@@ -197,7 +201,8 @@ def cost_term(config: ExpertParallelConfig, cost) -> None:
     2 small ones (counts, ids). An all-to-all is priced at the point-to-point rate
     (``send_recv``): each rank sends its pieces straight to the others. Groups smaller than the
     data ranks average each slice's gradients over its copies once a step (a ring all-reduce of
-    the rank's experts). Load imbalance is not modelled: the tokens are taken as spread evenly."""
+    the rank's experts), or under fsdp shard it over them (:func:`_copies_sync`). Load imbalance
+    is not modelled: the tokens are taken as spread evenly."""
     from atorch.auto.step_cost import Comm
     from atorch.parallel_layers.experts import routed_experts
 
@@ -221,10 +226,29 @@ def cost_term(config: ExpertParallelConfig, cost) -> None:
     cost.comms.append(Comm("data", 4 * blocks * cost.tokens * choices * hidden * leaving, 6 * blocks,
                            kind="send_recv", method="expert_parallel"))
     copies = cost.dp_size // size
-    if copies > 1:  # one all-reduce per slice (2 a block), of the rank's experts' gradients
-        local = sum(p.numel() for module in found.values() for p in module.parameters()) / size
-        cost.comms.append(Comm("data", local, 2 * blocks, factor=2 * (copies - 1) / copies,
+    if copies > 1:
+        _copies_sync(cost, found, size, copies)
+
+
+def _copies_sync(cost, found: dict, size: int, copies: int) -> None:
+    """The sync of a slice held by ``copies`` ranks: under fsdp sharded over them (its own unit in
+    each block: gathered in forward and again in backward, its gradients reduce-scattered, in
+    FSDP's dtypes), else one all-reduce a weight (2 a block) of the rank's experts' gradients."""
+    from atorch.auto.step_cost import Comm
+
+    element = 2 if cost.compute_dtype == "half" else 4  # Comm's unit: elements of this width
+    local = sum(p.numel() * p.element_size() for m in found.values() for p in m.parameters()) * cost.weight_scale / size
+    units = sum(len(m) // size if isinstance(m, torch.nn.ModuleList) else 1 for m in found.values())
+    if "fsdp" not in cost.methods:
+        cost.comms.append(Comm("data", local / element, 2 * len(found), factor=2 * (copies - 1) / copies,
                                method="expert_parallel"))
+        return
+    cost.apart_copies = copies
+    amp = "amp_native" in cost.methods
+    gathered = local * (min(1.0, 2 / cost.element_bytes()) if amp else 1.0)  # gathered in amp's 2 bytes
+    leaving = (copies - 1) / copies
+    cost.comms.append(Comm("data", 2 * gathered / element, 2 * units, factor=leaving, kind="all_gather"))
+    cost.comms.append(Comm("data", local / element, units, factor=leaving, kind="reduce_scatter"))
 
 
 def _choices(model: torch.nn.Module) -> int:

@@ -38,10 +38,11 @@ def fused_shape(module: nn.Module) -> str | None:
     return None
 
 
-def mark_slice(param: nn.Parameter, owner: nn.Module, group, replicas) -> None:
+def mark_slice(param: nn.Parameter, owner: nn.Module, group, replicas, hooks: bool = True) -> None:
     """Make ``param`` one of this rank's expert weights: held apart from the data ranks, its
     gradient divided by the group's size and, where the same slice lives on other ranks (expert
-    groups smaller than the data ranks), averaged over them.
+    groups smaller than the data ranks), averaged over them. Without ``hooks``, fsdp will shard
+    the slice over those copies and reduce it (:func:`shard_over_copies`): the mark only.
 
     A slice's gradient, which the all-to-all's backward brings from every token of the group, is
     divided by the group's size: each rank's loss is a mean over its own tokens, averaged over
@@ -54,6 +55,8 @@ def mark_slice(param: nn.Parameter, owner: nn.Module, group, replicas) -> None:
     scale = 1.0 / dist.get_world_size(group)
     param.expert_parallel = True
     param.shard_group = group  # clip_grad_norm sums a sharded weight's norm over this group
+    if not hooks:
+        return
     param.register_hook(lambda grad: grad * scale)
     if replicas is not None and dist.get_world_size(replicas) > 1:
         param.register_post_accumulate_grad_hook(lambda p: _average(p, owner, replicas))
@@ -66,19 +69,29 @@ def _average(param: nn.Parameter, owner: nn.Module, replicas) -> None:
         param.grad.div_(dist.get_world_size(replicas))
 
 
-def shard_fused_experts(module: nn.Module, group, replicas=None, capacity_factor: float | None = None) -> None:
+def over_copies(module: nn.Module, group, replicas, data: int) -> None:
+    """Say that fsdp is to shard ``module`` (this rank's experts) over ``replicas``, the ranks that
+    hold the same slice, and divide its reduced gradients by ``data`` (the data-parallel ranks:
+    a slice's gradient sums the contributions of the ``data / copies`` ranks of its group and
+    of its copies). torchtitan and Megatron-Core shard the experts so (EP x FSDP)."""
+    module._atorch_expert_copies = (replicas, group, data)
+
+
+def shard_fused_experts(module: nn.Module, group, replicas=None, capacity_factor: float | None = None,
+                        hooks: bool = True) -> None:
     """Keep this rank's slice of ``module``'s fused experts and route its tokens over ``group``."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     local = module.gate_up_proj.shape[0] // size
     for name in ("gate_up_proj", "down_proj"):
         full = getattr(module, name)
         shard = nn.Parameter(full.detach()[rank * local:(rank + 1) * local].clone(), requires_grad=full.requires_grad)
-        mark_slice(shard, module, group, replicas)
+        mark_slice(shard, module, group, replicas, hooks)
         # a checkpoint stores the slices as one weight split on dim 0 over the group, as it does
-        # a tensor-parallel layer's (atorch/checkpoint/state.py reads these and ``module.group``)
+        # a tensor-parallel layer's (atorch/checkpoint/state.py reads these and ``module.group``;
+        # ``split_dims`` where fsdp has made them DTensors, which lose these attributes)
         shard.tensor_model_parallel, shard.partition_dim = True, 0
         setattr(module, name, shard)
-    module.group = group
+    module.group, module.split_dims = group, {"gate_up_proj": 0, "down_proj": 0}
     module.forward = Dispatch(group, local, _FusedSlice(module), capacity_factor)
 
 

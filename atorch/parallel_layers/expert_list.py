@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from atorch.parallel_layers.expert_dispatch import Dispatch, mark_slice, untouched
+from atorch.parallel_layers.expert_dispatch import Dispatch, mark_slice, over_copies
 
 ROUTERS = ("gate", "router")
 PROBE_TOKENS = 64
@@ -133,20 +133,19 @@ class _ListedSlice:
     def __call__(self, rows: torch.Tensor, ids: torch.Tensor, local: int) -> torch.Tensor:
         out = rows.new_zeros(rows.shape)
         for expert in range(local):
-            module = self.experts[self.first + expert]
+            # Every expert is called, with no rows where none came: its (zero) gradients and, under
+            # fsdp, its gathers and reduce-scatters run on every rank alike.
             where = (ids == expert).nonzero().squeeze(-1)
-            if where.numel():
-                out = out.index_add(0, where, module(rows[where]).to(out.dtype))
-            elif torch.is_grad_enabled():
-                out = out + untouched(list(module.parameters()), out.dtype)
+            out = out.index_add(0, where, self.experts[self.first + expert](rows[where]).to(out.dtype))
         return out
 
 
 def shard_listed_experts(block: nn.Module, experts: nn.ModuleList, routed: RoutedBlock, group, replicas=None,
-                         capacity_factor: float | None = None) -> None:
+                         capacity_factor: float | None = None, copies_of: int | None = None) -> None:
     """Keep this rank's experts of ``experts`` (the others become empty placeholders, so the kept
     ones keep their names: ``experts.5.w1.weight`` on the rank that holds expert 5) and compute
-    ``block`` as ``routed`` does, its tokens dispatched over ``group``."""
+    ``block`` as ``routed`` does, its tokens dispatched over ``group``. With ``copies_of`` (the
+    data-parallel ranks), fsdp shards each kept expert over ``replicas`` (:func:`over_copies`)."""
     import torch.distributed as dist
 
     size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -155,7 +154,9 @@ def shard_listed_experts(block: nn.Module, experts: nn.ModuleList, routed: Route
     for index in range(len(experts)):
         if first <= index < first + local:
             for param in experts[index].parameters():
-                mark_slice(param, block, group, replicas)
+                mark_slice(param, block, group, replicas, hooks=copies_of is None)
+            if copies_of is not None:
+                over_copies(experts[index], group, replicas, copies_of)
         else:
             experts[index] = nn.Module()  # another rank's expert: nothing held here
     routed.experts = Dispatch(group, local, _ListedSlice(experts, first), capacity_factor)

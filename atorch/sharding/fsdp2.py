@@ -173,7 +173,8 @@ def shard_model(
         "mp_policy": mp_policy or MixedPrecisionPolicy(),
         "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
     }
-    own = {p for p in model.parameters() if held_per_rank(p)}
+    copies = {id(p) for m in model.modules() if hasattr(m, "_atorch_expert_copies") for p in m.parameters()}
+    own = {p for p in model.parameters() if held_per_rank(p) and id(p) not in copies}
     if ignored or own:
         kwargs["ignored_params"] = set(ignored) | own
         # FSDP leaves ignored parameters alone, gradients included; average trainable ones here
@@ -183,6 +184,12 @@ def shard_model(
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(hook)
     modules = dict(model.named_modules())
+    # a unit of expert_parallel's experts only (a listed expert's class repeats like a block's)
+    # is theirs: sharded over their copies below, or held apart
+    apart = {id(p) for p in own} | copies
+    units = [u for u in units if any(id(p) not in apart for n in (u if isinstance(u, tuple) else (u,))
+                                     for p in modules[n].parameters())]
+    shard_expert_copies(model, kwargs)
     for unit in units:
         fully_shard([modules[n] for n in unit] if isinstance(unit, tuple) else modules[unit], **kwargs)
     fully_shard(model, **kwargs)
@@ -191,6 +198,27 @@ def shard_model(
         for current, following in zip(in_order, in_order[1:]):
             current.set_modules_to_forward_prefetch([following])
     return model
+
+
+def shard_expert_copies(model: torch.nn.Module, kwargs: dict) -> None:
+    """Shard each expert module expert_parallel marked (``_atorch_expert_copies``: the ranks that
+    hold the same slice, its expert group, the data-parallel size) over those copies, as its own
+    FSDP unit inside the block's; its reduced gradients divided by the data-parallel size. The
+    new sharded parameters keep the expert group for clip_grad_norm (``shard_group``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in list(model.modules()):
+        marked = getattr(module, "_atorch_expert_copies", None)
+        if marked is None:
+            continue
+        copies, group, data = marked
+        mesh = DeviceMesh.from_group(copies, kwargs["mesh"].device_type)
+        fully_shard(module, **{**{k: v for k, v in kwargs.items() if k != "ignored_params"}, "mesh": mesh})
+        module.set_gradient_divide_factor(float(data))
+        if dist.get_backend(copies) != "nccl":  # the divide factor needs NCCL's PREMUL_SUM; gloo sums, then divides
+            module.set_force_sum_reduction_for_comms(True)
+        for param in module.parameters():
+            param.shard_group = group
 
 
 def local_shard_step(ctx, method: str) -> None:

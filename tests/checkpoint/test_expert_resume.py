@@ -77,3 +77,14 @@ def test_a_checkpoint_under_expert_parallel_and_fsdp_resumes(tmp_path, elsewhere
     strategy = ["parallel_mode", "fsdp"] if elsewhere else EP_FSDP
     resumed = run_distributed(load_and_continue, 2, directory, strategy, fresh=True)[0]
     assert resumed == pytest.approx(uninterrupted, rel=1e-5), strategy
+
+
+def test_a_checkpoint_of_slices_sharded_over_their_copies_loads_on_fewer_ranks(tmp_path):
+    """EP x FSDP on 4 ranks (groups of 2: fsdp shards each slice over the 2 ranks that hold it),
+    loaded under expert_parallel with fsdp on 2 ranks: the same continuation."""
+    pytest.importorskip("transformers")
+    directory = str(tmp_path / "ck")
+    source = ["parallel_mode", "fsdp", ("expert_parallel", {"size": 2})]
+    uninterrupted = run_distributed(save_and_continue, 4, directory, source, fresh=True)[0]
+    resumed = run_distributed(load_and_continue, 2, directory, EP_FSDP, fresh=True)[0]
+    assert resumed == pytest.approx(uninterrupted, rel=1e-5)

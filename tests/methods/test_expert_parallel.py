@@ -12,31 +12,41 @@ from tests.methods.test_tensor_parallel_moe import tiny_moe
 STEPS = 3
 
 
-def _train(kind: str, strategy: list) -> dict:
-    from atorch.auto import auto_accelerate
-    from tests.helpers.hf import CountingTokens
+def _train(kind: str, strategy: list, clip: float | None = None) -> dict:
+    from torch.distributed.tensor import DTensor
 
-    _, result, _ = auto_accelerate(tiny_moe(kind), torch.optim.AdamW, CountingTokens(), lambda batch, out: out.loss,
+    from atorch.auto import auto_accelerate, clip_grad_norm
+    from tests.helpers.hf import CountingTokens
+    from tests.helpers.moe import listed_mixtral
+
+    model = listed_mixtral() if kind == "listed" else tiny_moe(kind)
+    _, result, _ = auto_accelerate(model, torch.optim.AdamW, CountingTokens(), lambda batch, out: out.loss,
                                    optim_args={"lr": 1e-2}, dataloader_args={"batch_size": 8},
                                    model_input_format="unpack_dict", load_strategy=strategy)
-    losses, batches = [], iter(result.dataloader)
+    losses, norms, batches = [], [], iter(result.dataloader)
     for _ in range(STEPS):  # the documented loop: a step is every micro-batch of one global batch
         for _ in range(result.args.get("gradient_accumulation_steps", 1)):
             batch = result.prepare_input(next(batches), torch.device("cpu"))
             result.backward(result.loss_func(batch, result.model(**batch)))
+            if clip is not None and result.sync_gradients:
+                norms.append(clip_grad_norm(result.model, clip).item())
             result.step()
         losses.append(result.last_step.loss)
     model = getattr(result.model, "module", result.model)
     weights, held = {}, {}
     for name, param in model.named_parameters():
-        if getattr(param, "expert_parallel", False):
-            held[name] = param.shape[0]
-            parts = [torch.empty_like(param) for _ in range(dist.get_world_size(param.shard_group))]
-            dist.all_gather(parts, param.detach(), group=param.shard_group)
+        value = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+        group = getattr(param, "shard_group", None)
+        if group is not None and kind == "listed":  # this rank's own experts, under their own names
+            held[name] = value.shape[0]
+        elif group is not None:  # an expert slice (under fsdp, sharded over its copies as well)
+            held[name] = value.shape[0]
+            parts = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, value.contiguous(), group=group)
             weights[name] = torch.cat(parts)
         else:
-            weights[name] = param.detach().clone()
-    return {"losses": losses, "weights": weights, "held": held}
+            weights[name] = value.clone()
+    return {"losses": losses, "weights": weights, "held": held, "norms": norms}
 
 
 @pytest.mark.parametrize("kind, world", [("mixtral", 2), ("mixtral", 4), ("qwen2_moe", 2),
@@ -145,6 +155,25 @@ def test_the_cost_term_charges_the_all_to_alls_the_dispatch_makes():
     assert cost.split == pytest.approx(1 - experts / sum(p.numel() for p in model.parameters()) / 2)
 
 
+@pytest.mark.parametrize("listed", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_fsdp_shards_each_slice_over_the_ranks_that_hold_it(listed):
+    """4 ranks, groups of 2, fsdp: each slice of 2 experts lives on 2 ranks and fsdp shards it over
+    them (its own unit, gradients divided by the 4 data ranks: EP x FSDP, as torchtitan does);
+    the losses, the weights and the clipped gradient norms equal the single process's."""
+    pytest.importorskip("transformers")
+    kind = "listed" if listed else "mixtral"
+    serial = run_distributed(_train, 1, kind, [], 0.5)[0]
+    ranks = run_distributed(_train, 4, kind, ["parallel_mode", "fsdp", ("expert_parallel", {"size": 2})], 0.5)
+    assert ranks[0]["losses"] == pytest.approx(serial["losses"], rel=1e-5)
+    assert ranks[0]["norms"] == pytest.approx(serial["norms"], rel=1e-5) and serial["norms"][0] > 0.5
+    if listed:  # 2 experts' 3 weights each, under their own names
+        assert len(ranks[0]["held"]) == 2 * 2 * 3, ranks[0]["held"]
+        return
+    assert set(ranks[0]["held"].values()) == {2}, ranks[0]["held"]
+    gaps = [(ranks[0]["weights"][name] - value).abs().max().item() for name, value in serial["weights"].items()]
+    assert max(gaps) < 1e-4
+
+
 SYNCED = {"ddp": ["parallel_mode", "expert_parallel"], "fsdp": ["parallel_mode", "fsdp", "expert_parallel"]}
 
 
@@ -185,6 +214,37 @@ def test_the_data_parallel_sync_leaves_the_experts_slices_out():
             assert payload == pytest.approx(measured[kind][1], rel=0.02), (name, kind, charged, measured)
             if name == "fsdp":
                 assert calls == measured[kind][0], (name, kind, charged, measured)
+
+
+COPIES = ["parallel_mode", "fsdp", ("expert_parallel", {"size": 2})]
+
+
+def _copies_traffic() -> dict:
+    from tests.helpers.comms import step_traffic
+    from tests.helpers.hf import CountingTokens
+
+    return step_traffic(tiny_moe("mixtral"), COPIES, CountingTokens(), 8)
+
+
+@pytest.mark.slow  # the runtime of EP x FSDP is in the default run (test_fsdp_shards_each_slice_...)
+def test_the_cost_term_charges_the_gathers_and_reduce_scatters_of_slices_sharded_over_their_copies():
+    """4 ranks, groups of 2, fsdp: each block's expert unit is gathered twice (forward, backward)
+    and reduce-scattered once over the 2 ranks that hold its slice; the term charges those calls
+    and the bytes handed to them (whole gathered slices), the other weights' sync as before."""
+    pytest.importorskip("transformers")
+    from atorch.auto.plan import resolve_strategy
+    from atorch.auto.search.cost import build_cost
+    from atorch.auto.strategy import Strategy
+    from tests.helpers.hf import SEQ
+
+    seen = run_distributed(_copies_traffic, 4)[0]
+    with torch.device("meta"):
+        model = tiny_moe("mixtral")
+    cost = build_cost(model, resolve_strategy(model, Strategy(COPIES)), {"data": 4}, 2.0, 0, 1e9, 8 // 4 * SEQ)
+    charged = {c.kind: (c.messages, c.elements * 4) for c in cost.comms if c.kind != "send_recv"}
+    assert charged == {kind: seen["other"][kind] for kind in ("all_gather", "reduce_scatter")}, (charged, seen)
+    synced = {kind: (calls, payload) for kind, payload, calls in cost.data_sync_collectives()}
+    assert synced == {kind: seen["data"][kind] for kind in synced}, (synced, seen["data"])
 
 
 @pytest.mark.parametrize("name", list(COMPOSED))
