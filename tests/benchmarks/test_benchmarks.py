@@ -163,3 +163,13 @@ def test_loss_normalization_benchmark_runs_and_writes_results(tmp_path):
     markdown = loss_normalization.main(["--tiny", "--repeats", "1", "--steps", "1", "--splits", "ddp",
                                         "--out", str(out), "--plot", str(tmp_path / "x.png")])
     assert "| ddp |" in markdown and out.with_suffix(".json").exists()
+
+
+def test_plan_moe_benchmark_sets_the_pick_and_the_published_layout_beside_the_published_run(tmp_path):
+    pytest.importorskip("transformers")
+    from benchmarks import plan_moe
+
+    plan_moe.main(["--only", "qwen3_30b_a3b", "--out", str(tmp_path / "plan_moe")])
+    rows = json.loads((tmp_path / "plan_moe.json").read_text())["rows"]
+    assert [row[3] for row in rows] == ["atorch's pick", "the published layout"]
+    assert all("expert_parallel" in row[4] for row in rows) and all(row[8] == "12,040" for row in rows)
