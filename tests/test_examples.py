@@ -41,6 +41,13 @@ def test_main_job_searches_then_trains_on_2_processes(tmp_path):
     assert loaded.candidates[loaded.winner].names == applied.opt_names
 
 
+def test_moe_example_spreads_the_experts_and_trains():
+    pytest.importorskip("transformers")
+    out = _run(TORCHRUN + ["--nproc_per_node", "2", "examples/train_moe.py", "--steps", "12"])
+    _losses(out)
+    assert out.count("2 of 4 experts a block") == 2, out  # each rank holds its half
+
+
 def test_strategy_file_on_one_process(tmp_path):
     pytest.importorskip("transformers")
     saved = tmp_path / "applied.json"
