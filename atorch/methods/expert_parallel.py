@@ -30,11 +30,15 @@ from atorch.auto.method_spec import MethodSpec, Stage, register_method
 from atorch.errors import MethodConfigError, WorldSizeError
 from atorch.utils.log import logger
 
-NOT_YET = ("expert_parallel runs under DDP or fsdp over data ranks only in this version; {0} shards or splits the "
-           "weights another way; remove one of them (fsdp shards the other weights)")
+NOT_YET = ("expert_parallel runs under DDP, fsdp or zero2 over data ranks only in this version; {0} shards or "
+           "splits the weights another way; remove one of them (fsdp or zero2 shard the other weights)")
+# zero2 on DeepSpeed or fairscale declares its own conflict with expert_parallel (zero2.py)
 _CONFLICTS = {name: NOT_YET.format(name) for name in (
-    "zero1", "zero2", "tensor_parallel", "sequence_parallel", "pipeline_parallel", "mixed_parallel",
+    "zero1", "tensor_parallel", "sequence_parallel", "pipeline_parallel", "mixed_parallel",
     "ds_3d_parallel", "genomic_bottleneck")}
+
+
+SHARDERS = ("fsdp", "zero2")  # FSDP2 sharding methods the experts' slices compose with
 
 
 class ExpertParallelConfig(MethodConfig):
@@ -132,8 +136,9 @@ def shard(ctx: ModelContext, config: ExpertParallelConfig) -> None:
         return
     routed = _routed_blocks(ctx.model, found)  # checked on every block before any is changed
     group, replicas = _groups(data, size)
-    # under fsdp, slices held by several ranks are sharded over those copies (EP x FSDP)
-    copies_of = data if ctx.strategy is not None and ctx.strategy.get("fsdp") is not None and size < data else None
+    # under fsdp or zero2 (FSDP2), slices held by several ranks are sharded over those copies (EP x FSDP)
+    sharded = ctx.strategy is not None and any(ctx.strategy.get(name) is not None for name in SHARDERS)
+    copies_of = data if sharded and size < data else None
     for name, module in found.items():
         _shard_one(module, routed.get(name), group, replicas, config.capacity_factor, copies_of)
     ignored = [name for name, p in ctx.model.named_parameters() if getattr(p, "expert_parallel", False)]
@@ -227,7 +232,8 @@ def cost_term(config: ExpertParallelConfig, cost) -> None:
     blocks = len(found)
     # fsdp under amp hands each block bf16 inputs (its mixed-precision policy casts them): the
     # dispatched hidden states are 2-byte; under autocast alone they stay fp32 (Comm's width)
-    width = 0.5 if {"fsdp", "amp_native"} <= set(cost.methods) and cost.compute_dtype != "half" else 1.0
+    fsdp2 = bool(set(SHARDERS) & set(cost.methods))
+    width = 0.5 if fsdp2 and "amp_native" in cost.methods and cost.compute_dtype != "half" else 1.0
     cost.comms.append(Comm("data", 4 * blocks * cost.tokens * choices * hidden * leaving * width, 6 * blocks,
                            kind="send_recv", method="expert_parallel"))
     pairs = cost.tokens / max(cost.accumulation, 1) * choices  # a micro-batch's (token, choice) pairs
@@ -269,7 +275,7 @@ def _copies_sync(cost, found: dict, size: int, copies: int) -> None:
     element = 2 if cost.compute_dtype == "half" else 4  # Comm's unit: elements of this width
     local = sum(p.numel() * p.element_size() for m in found.values() for p in m.parameters()) * cost.weight_scale / size
     units = sum(len(m) // size if isinstance(m, torch.nn.ModuleList) else 1 for m in found.values())
-    if "fsdp" not in cost.methods:
+    if not set(SHARDERS) & set(cost.methods):
         cost.comms.append(Comm("data", local / element, 2 * len(found), factor=2 * (copies - 1) / copies,
                                method="expert_parallel"))
         return
@@ -277,7 +283,8 @@ def _copies_sync(cost, found: dict, size: int, copies: int) -> None:
     amp = "amp_native" in cost.methods
     gathered = local * (min(1.0, 2 / cost.element_bytes()) if amp else 1.0)  # gathered in amp's 2 bytes
     leaving = (copies - 1) / copies
-    cost.comms.append(Comm("data", 2 * gathered / element, 2 * units, factor=leaving, kind="all_gather"))
+    gathers = 2 if "fsdp" in cost.methods else 1  # fsdp regathers for backward (reshard_after_forward); zero2 keeps
+    cost.comms.append(Comm("data", gathers * gathered / element, gathers * units, factor=leaving, kind="all_gather"))
     cost.comms.append(Comm("data", local / element, units, factor=leaving, kind="reduce_scatter"))
 
 

@@ -92,6 +92,9 @@ def wrap_ds(ctx: ModelContext, config: Zero2Config) -> None:
 
 def _conflicts(config: Zero2Config) -> dict[str, str]:
     out = {"zero1": ONE_SHARDING, "fsdp": ONE_SHARDING}
+    if config.use_ds_zero or config.not_use_fsdp:
+        out["expert_parallel"] = ("expert_parallel's slices differ from rank to rank; zero2 on FSDP2 (the default "
+                                  "backend) leaves them out of its sharding, DeepSpeed's and fairscale's would not")
     if config.use_ds_zero:
         out["gradient_accumulation"] = DS_ACCUMULATES
     elif config.not_use_fsdp:
@@ -129,8 +132,8 @@ def cost_term(config: Zero2Config, cost) -> None:
     if not config.use_ds_zero and not config.not_use_fsdp:
         _fsdp2_terms(config, cost)
         # one gather (in forward: kept whole through backward) and one reduce-scatter per unit
-        groups, _ = once(("zero2 units", id(cost.model), config.bucket_params),
-                         lambda: _unit_bytes(cost.model, config.bucket_params))
+        groups, _ = once(("zero2 units", id(cost.model), config.bucket_params, cost.held_apart > 0),
+                         lambda: _unit_bytes(cost.model, config.bucket_params, cost.held_apart > 0))
         units = max(1.0, (len(groups) + 1) * cost.stage_share)
         cost.sync_calls = {"all_gather": units, "reduce_scatter": units}
         cost.sync_overlap = {"reduce_scatter": ("backward",), "all_gather": ("forward",)}
@@ -142,13 +145,17 @@ def cost_term(config: Zero2Config, cost) -> None:
         cost.charge("zero2", sum(cost.sync_calls.get(k, 1.0) for k in ("all_gather", "reduce_scatter")))
 
 
-def _unit_bytes(model, bucket_params: int) -> tuple[list[int], int]:
+def _unit_bytes(model, bucket_params: int, apart: bool = False) -> tuple[list[int], int]:
     """Parameter bytes of the units :func:`shard` makes: the groups of consecutive blocks
     (``fsdp2.group_units``), each past ``bucket_params`` by up to a block, and the root, which
     holds what no group does (the leftover blocks, the embedding, the head). The term had taken
-    ``bucket_params`` itself for the largest."""
+    ``bucket_params`` itself for the largest. With ``apart``, without the routed experts, which
+    expert_parallel holds apart from the units."""
+    from atorch.parallel_layers.experts import routed_experts
+
     blocks = fsdp2.choose_units(model, [class_name(c) for c in find_block_classes(model)])
-    return fsdp2.unit_sizes(model, fsdp2.group_units(model, blocks, bucket_params))
+    skip = {id(p) for m in routed_experts(model).values() for p in m.parameters()} if apart else set()
+    return fsdp2.unit_sizes(model, fsdp2.group_units(model, blocks, bucket_params), skip)
 
 
 def _fsdp2_terms(config: Zero2Config, cost) -> None:
@@ -160,12 +167,21 @@ def _fsdp2_terms(config: Zero2Config, cost) -> None:
 
     whole = cost.param_bytes() * cost.weight_scale * cost.split * cost.stage_share
     low = compute_dtype_share(cost)  # FSDP2 gathers in amp's 2-byte dtype
-    cost.params = whole / cost.dp_size + whole * low
+    # expert_parallel's slices, held apart: whole on the rank, or sharded over their copies and
+    # gathered like the other weights (StepCost.apart_copies)
+    apart = whole * cost.held_apart
+    whole -= apart
+    cost.params = whole / cost.dp_size + whole * low + apart / cost.apart_copies
+    if cost.apart_copies > 1:
+        cost.params += apart * low
     cost.step_temp = cost.stepped  # the local step runs foreach kernels over the shards (local_step.py)
     trainable = cost.param_bytes(trainable_only=True) * cost.weight_scale * cost.split * cost.stage_share
-    groups, root = once(("zero2 units", id(cost.model), config.bucket_params),
-                        lambda: _unit_bytes(cost.model, config.bucket_params))
+    trainable *= 1 - cost.held_apart
+    groups, root = once(("zero2 units", id(cost.model), config.bucket_params, cost.held_apart > 0),
+                        lambda: _unit_bytes(cost.model, config.bucket_params, cost.held_apart > 0))
     scale = cost.weight_scale * cost.split
+    if cost.held_apart:  # the units' bytes without the slices held apart: the rank's piece less those
+        scale *= (1 - cost.held_apart) * cost.param_bytes() / max(sum(groups) + root, 1)
     units = sorted((size * scale for size in [*groups, root]), reverse=True)
     unit, pair = units[0], sum(units[:2])  # the largest; the two largest (the running one, the one reducing)
     # the all-gather buffer kept at forward's end: a group's (measured on the wide-vocabulary Llama

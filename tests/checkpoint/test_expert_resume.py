@@ -54,9 +54,10 @@ def load_and_continue(directory: str, strategy: list) -> list[float]:
     return _steps(result, 2)
 
 
-@pytest.mark.parametrize("elsewhere", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # the default run resumes EP x FSDP in new processes and round-trips ep in the matrix
+@pytest.mark.parametrize("elsewhere", [False, True])
 def test_a_checkpoint_under_expert_parallel_resumes_under_any_strategy(tmp_path, elsewhere):
-    """Under expert_parallel again by default; with -m slow under ddp and in one process too."""
+    """Under expert_parallel again; under ddp and in one process too."""
     pytest.importorskip("transformers")
     directory = str(tmp_path / "ck")
     uninterrupted = run_distributed(save_and_continue, 2, directory, fresh=True)[0]
@@ -67,7 +68,8 @@ def test_a_checkpoint_under_expert_parallel_resumes_under_any_strategy(tmp_path,
         assert run_distributed(load_and_continue, 1, directory, [])[0] == pytest.approx(uninterrupted, rel=1e-5)
 
 
-@pytest.mark.parametrize("elsewhere", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # the default run resumes EP x FSDP on fewer ranks (below) and round-trips it in the matrix
+@pytest.mark.parametrize("elsewhere", [False, True])
 def test_a_checkpoint_under_expert_parallel_and_fsdp_resumes(tmp_path, elsewhere):
     """The experts' slices (plain tensors split over the expert group) beside fsdp's sharded
     weights: under the same strategy by default; with -m slow under fsdp alone."""
