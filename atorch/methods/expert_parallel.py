@@ -34,7 +34,7 @@ NOT_YET = ("expert_parallel runs under DDP, fsdp or zero2 over data ranks only i
            "splits the weights another way; remove one of them (fsdp or zero2 shard the other weights)")
 # zero2 on DeepSpeed or fairscale declares its own conflict with expert_parallel (zero2.py)
 _CONFLICTS = {name: NOT_YET.format(name) for name in (
-    "zero1", "tensor_parallel", "sequence_parallel", "pipeline_parallel", "mixed_parallel",
+    "zero1", "sequence_parallel", "pipeline_parallel", "mixed_parallel",
     "ds_3d_parallel", "genomic_bottleneck")}
 
 
@@ -106,16 +106,20 @@ def group_size(data: int, experts: int, size: int | None) -> int:
     return size
 
 
-def _groups(world: int, size: int):
-    """(this rank's expert group, its replicas group): consecutive ranks hold the experts' slices;
-    every rank takes part in creating every group, as torch requires."""
+def _groups(size: int):
+    """(this rank's expert group, its replicas group), inside each data-parallel group (one per
+    tensor rank under tensor_parallel): consecutive data ranks hold the experts' slices; every
+    rank takes part in creating every group, as torch requires."""
+    from atorch.parallel_state import get_data_parallel_group
+
     rank, mine, replicas = dist.get_rank(), None, None
-    for first in range(0, world, size):
-        group = dist.new_group(list(range(first, first + size)))
-        mine = group if first <= rank < first + size else mine
-    for offset in range(size):
-        group = dist.new_group(list(range(offset, world, size)))
-        replicas = group if rank % size == offset else replicas
+    for ranks in get_data_parallel_group(as_list=True):
+        for first in range(0, len(ranks), size):
+            group = dist.new_group(ranks[first:first + size])
+            mine = group if rank in ranks[first:first + size] else mine
+        for offset in range(size):
+            group = dist.new_group(ranks[offset::size])
+            replicas = group if rank in ranks[offset::size] else replicas
     return mine, replicas
 
 
@@ -124,9 +128,9 @@ def shard(ctx: ModelContext, config: ExpertParallelConfig) -> None:
 
     topology = ctx.topology
     data = topology.data_parallel_size
-    if dist.get_world_size() != data:
-        raise MethodConfigError("expert_parallel runs over data-parallel ranks only in this version; parallel_mode "
-                                "has other dims: give it data ranks only")
+    if dist.get_world_size() != data * topology.size("tensor"):
+        raise MethodConfigError("expert_parallel runs over data-parallel ranks, beside tensor ones, in this version; "
+                                "parallel_mode has other dims: give it data (and tensor) ranks only")
     found = _experts(ctx.model)
     experts = _count(found)
     size = group_size(data, experts, config.size)
@@ -135,7 +139,7 @@ def shard(ctx: ModelContext, config: ExpertParallelConfig) -> None:
                        data, experts)
         return
     routed = _routed_blocks(ctx.model, found)  # checked on every block before any is changed
-    group, replicas = _groups(data, size)
+    group, replicas = _groups(size)
     # under fsdp or zero2 (FSDP2), slices held by several ranks are sharded over those copies (EP x FSDP)
     sharded = ctx.strategy is not None and any(ctx.strategy.get(name) is not None for name in SHARDERS)
     copies_of = data if sharded and size < data else None
@@ -188,8 +192,8 @@ def ineligible(model: torch.nn.Module, config: ExpertParallelConfig, job) -> str
         return str(error)
     data = job.dims.get("data", 1)
     experts = _count(found)
-    if any(size > 1 for name, size in job.dims.items() if name != "data"):
-        return "expert_parallel runs over data-parallel ranks only in this version"
+    if any(size > 1 for name, size in job.dims.items() if name not in ("data", "tensor")):
+        return "expert_parallel runs over data-parallel ranks, beside tensor ones, only in this version"
     try:
         if group_size(data, experts, config.size) < 2:
             return f"expert_parallel: {data} data ranks and {experts} experts share no divisor above 1"
@@ -225,7 +229,7 @@ def cost_term(config: ExpertParallelConfig, cost) -> None:
     share = 1 - fraction * (1 - 1 / size)
     cost.split_model(share)
     cost.split *= share
-    cost.held_apart = fraction / size / share
+    cost.held_apart = fraction / size / cost.split  # of the rank's piece, after any tensor split too
     choices = _choices(cost.model)
     hidden = _hidden(cost.model, found)
     leaving = (size - 1) / size

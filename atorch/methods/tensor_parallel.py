@@ -350,7 +350,7 @@ def leaves_whole(model, config: TensorParallelConfig) -> str | None:
     return (f"splits attention and dense MLPs only; the routed experts of {blocks} MoE blocks ({share:.0%} of "
             f"{type(model).__name__}'s parameters) stay whole on every tensor rank. Shard them with fsdp (or "
             "zero2/zero1 for their gradients and optimizer state), or split them over the data ranks with "
-            "expert_parallel instead of tensor_parallel (it does not combine with tensor_parallel yet)")
+            "expert_parallel beside it (each tensor rank then holds the same slice of the experts)")
 
 
 register_method(

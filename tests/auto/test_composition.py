@@ -226,10 +226,11 @@ DATA_GROUP_NOT_WORLD = [("tensor_parallel", "zero2_fairscale"), ("tensor_paralle
 def test_representative_compositions_on_4_ranks():
     cases = runnable(4, [("tensor_parallel", "fsdp", "amp_native", "checkpoint"), ("tensor_parallel", "zero1"),
                          ("pipeline_parallel", "amp_native", "checkpoint"), ("zero1", "pipeline_parallel"),
-                         *DATA_GROUP_NOT_WORLD])
+                         ("tensor_parallel", "expert_parallel"), *DATA_GROUP_NOT_WORLD])
     assert ("tensor_parallel", "fsdp", "amp_native", "checkpoint") in cases
     assert ("zero1", "pipeline_parallel") in cases  # pipeline=2 x data=2, ZeRO over each stage's data ranks
     assert ("sequence_parallel", "fsdp") in cases
+    assert ("tensor_parallel", "expert_parallel") in cases  # attention over tensor, experts over data ranks
     results = run_distributed(C.run_cases, 4, cases, 4, timeout_s=600)
     problems = check(results[0], 4)
     assert not problems, "\n\n".join(problems)

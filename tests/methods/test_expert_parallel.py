@@ -36,7 +36,7 @@ def _train(kind: str, strategy: list, clip: float | None = None) -> dict:
     weights, held = {}, {}
     for name, param in model.named_parameters():
         value = param.full_tensor() if isinstance(param, DTensor) else param.detach()
-        group = getattr(param, "shard_group", None)
+        group = getattr(param, "shard_group", None) if ".experts." in name else None
         if group is not None and kind == "listed":  # this rank's own experts, under their own names
             held[name] = value.shape[0]
         elif group is not None:  # an expert slice (under fsdp, sharded over its copies as well)
