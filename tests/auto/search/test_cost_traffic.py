@@ -53,9 +53,12 @@ TP2 = [("parallel_mode", ([("tensor", 2), ("data", 1)], None)), "tensor_parallel
 SELECTIVE = ("checkpoint", {"selective": True})
 
 
+SP2 = TP2 + ["sequence_parallel"]
+
+
 def _tensor_runs() -> dict:
     return {"plain": _traffic(TP2), "checkpoint": _traffic(TP2 + ["checkpoint"]),
-            "selective": _traffic(TP2 + [SELECTIVE])}
+            "selective": _traffic(TP2 + [SELECTIVE]), "sequence": _traffic(SP2)}
 
 
 def test_tensor_parallel_charges_the_collectives_its_layers_make():
@@ -64,13 +67,20 @@ def test_tensor_parallel_charges_the_collectives_its_layers_make():
     output; the head all-reduces its input's gradient and all-gathers its logits. The term had
     charged 4 all-reduces a layer (Megatron's fused count), none more under checkpointing, and
     the gather as an all-reduce: 2 x 4 + 2 = 10 all-reduces here, where the code makes
-    2 x 7 + 2 (2 x 8 + 2 checkpointed) and 1 gather."""
+    2 x 7 + 2 (2 x 8 + 2 checkpointed) and 1 gather. Under sequence parallelism see
+    ``_sequence_traffic`` (its term had charged 10 all-reduces where the code makes 15 and 11
+    all-gathers)."""
     pytest.importorskip("transformers")
     seen = run_distributed(_tensor_runs, 2)[0]
-    for name, methods in (("plain", TP2), ("checkpoint", TP2 + ["checkpoint"]), ("selective", TP2 + [SELECTIVE])):
+    for name, methods in (("plain", TP2), ("checkpoint", TP2 + ["checkpoint"]), ("selective", TP2 + [SELECTIVE]),
+                          ("sequence", SP2)):
         charged = _charged(_cost(methods, {"tensor": 2, "data": 1}), "tensor")
         assert charged == {kind: seen[name]["tensor"][kind] for kind in ("all_reduce", "all_gather")}, (name, seen)
     assert seen["plain"]["tensor"]["all_reduce"][0] == 2 * 7 + 2
+    # sequence parallelism: 4 row outputs, 5 sequence gathers (2 a layer, the head's), the
+    # embedding, each one way forward and the other backward, 5 norm weights' gradients
+    assert seen["sequence"]["tensor"]["all_reduce"][0] == 4 + 5 + 1 + 5
+    assert seen["sequence"]["tensor"]["all_gather"][0] == 4 + 5 + 1 + 1  # and the logits
     # selective checkpointing recomputes o's all-reduce with the element-wise ops, as full does
     assert seen["checkpoint"]["tensor"]["all_reduce"][0] == seen["selective"]["tensor"]["all_reduce"][0] == 2 * 8 + 2
 
