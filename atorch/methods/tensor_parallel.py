@@ -391,15 +391,37 @@ class SequenceParallelConfig(MethodConfig):
     pass
 
 
+def sequence_ineligible(model, config: SequenceParallelConfig, job: LayoutJob) -> str | None:
+    """Why the search cannot add sequence parallelism on this layout: no tensor ranks, a model that
+    is not Llama-style (auto_shard.sequence_parallel_problem), or a sequence the tensor ranks do
+    not divide."""
+    from atorch.parallel_layers.auto_shard import sequence_parallel_problem
+
+    tensor = job.dims.get("tensor", 1)
+    if tensor <= 1:
+        return "sequence_parallel needs tensor ranks"
+    if model is None:  # a space built without the model: the model is checked when applied
+        return None
+    why = tensor_ineligible(model, tensor)
+    return why if why is not None else sequence_parallel_problem(model, _plan(model, tensor))
+
+
 register_method(
     MethodSpec(
         name="sequence_parallel",
         config_cls=SequenceParallelConfig,
-        # tensor_parallel applies it while it splits the layers (it reads the strategy).
+        # tensor_parallel applies it while it splits the layers (it reads the strategy); its
+        # memory and collectives are in tensor_parallel's cost term (tensor_terms).
         hooks={},
         description="Megatron sequence parallelism: norms and residuals on sequence chunks (with tensor_parallel)",
         distributed_only=True,
         requires=("tensor_parallel",),
         needs_dims=("tensor",),
+        search_space=({},),
+        # it splits the activations between the blocks and moves more bytes than the all-reduces
+        # it replaces (a reduce-scatter here is an all-reduce, then a chunk): memory for speed
+        saves_memory=True,
+        ineligible=sequence_ineligible,
+        decided_by=("collectives",),
     )
 )

@@ -221,6 +221,17 @@ def _fork_rng_in_attention(model: nn.Module, plan, group) -> None:
         modules[name].forward = ForkedForward(modules[name].forward, tracker)
 
 
+def sequence_parallel_problem(model: nn.Module, plan: list[tuple[str, str]]) -> str | None:
+    """Why sequence parallelism cannot run on ``model`` split as ``plan`` says, or None."""
+    other = sorted({how for _, how in plan} - _SEQUENCE_PARALLEL_KINDS)
+    has_head = any(how == "column_gather" for _, how in plan)
+    if other or not has_head or not find_block_classes(model):
+        return ("sequence_parallel supports Llama-style models (q/k/v/o_proj attention, repeated decoder blocks, "
+                f"an untied output head); {type(model).__name__} has "
+                f"{other or ('no splittable output head' if not has_head else 'no repeated blocks')}")
+    return None
+
+
 def shard_model(model: nn.Module, group, tp: int, sequence_parallel: bool = False) -> list[tuple[str, str]]:
     """Replace the planned modules in place with this rank's shards; return the plan.
 
@@ -230,16 +241,9 @@ def shard_model(model: nn.Module, group, tp: int, sequence_parallel: bool = Fals
     (the Llama family).
     """
     plan = plan_shards(model, tp)
-    if sequence_parallel:
-        other = sorted({how for _, how in plan} - _SEQUENCE_PARALLEL_KINDS)
-        has_head = any(how == "column_gather" for _, how in plan)
-        blocks = find_block_classes(model)
-        if other or not has_head or not blocks:
-            raise ShardingError(
-                "sequence_parallel supports Llama-style models (q/k/v/o_proj attention, repeated decoder blocks, "
-                f"an untied output head); {type(model).__name__} has "
-                f"{other or ('no splittable output head' if not has_head else 'no repeated blocks')}"
-            )
+    why = sequence_parallel_problem(model, plan) if sequence_parallel else None
+    if why is not None:
+        raise ShardingError(why)
     if not any(how.startswith(("column", "row")) and how != "column_gather" for _, how in plan):
         raise ShardingError(
             f"tensor_parallel found nothing it can split in {type(model).__name__}: it knows attention with "
@@ -278,7 +282,7 @@ def shard_model(model: nn.Module, group, tp: int, sequence_parallel: bool = Fals
     if sequence_parallel:
         # The residual stream is split on the sequence from the first block's input to the
         # output head: the model-level code before the blocks (positions, masks) sees it whole.
-        first = next(m for m in model.modules() if isinstance(m, tuple(blocks)))
+        first = next(m for m in model.modules() if isinstance(m, tuple(find_block_classes(model))))
         first.forward = _SequenceInput(first.forward, group, scatter=True)
         for block in {name.rpartition(".")[0] for name, how in plan if how in ("column", "row")}:
             module = modules[block]

@@ -129,10 +129,14 @@ def candidate_space(
         layouts = layouts or [Layout(())]
     seen: list[Strategy] = []
     for layout in layouts:
-        for combo in itertools.product(*(options for _, options in choices)):
+        # a method that needs a dim this layout lacks (sequence_parallel, tensor) is not generated on it
+        dims = _dims_of(layout, device_ctx.world_size)
+        here = [(name, options if set(get_method(name).needs_dims) <= {d for d, n in dims.items() if n > 1}
+                 else [None]) for name, options in choices]
+        for combo in itertools.product(*(options for _, options in here)):
             counts["generated"] += 1
             methods = layout.strategy().items()
-            methods += [(name, config) for (name, _), config in zip(choices, combo) if config is not None]
+            methods += [(name, config) for (name, _), config in zip(here, combo) if config is not None]
             if any_conflict(methods):  # what plan_strategy would refuse, without building a Strategy
                 counts["conflicting"] += 1
                 continue

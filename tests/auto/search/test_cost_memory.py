@@ -83,6 +83,20 @@ ENGINES = {"ds_3d_parallel": [PIPELINE2, ("ds_3d_parallel", {"num_microbatches":
            "pipeline_parallel": [PIPELINE2, ("pipeline_parallel", {"num_microbatches": 2})]}
 
 
+SEQUENCE = {"tensor": [TENSOR2, "tensor_parallel"], "sequence": [TENSOR2, "tensor_parallel", "sequence_parallel"],
+            "sequence + checkpoint": [TENSOR2, "tensor_parallel", "checkpoint", "sequence_parallel"]}
+
+
+def test_sequence_parallelism_splits_the_activations_between_the_blocks():
+    """Estimated / measured peak on 2 tensor ranks: 1.03 (tensor), 1.00 (sequence), 1.03 (sequence
+    + checkpoint) on 2026-11-28; with the norms' and residuals' activations left whole under
+    sequence parallelism (the term before it was searched), sequence read 1.11."""
+    pytest.importorskip("transformers")
+    ratios = run_distributed(_measured_ratios, 2, SEQUENCE)[0]
+    assert all(0.9 <= r <= 1.1 for r in ratios.values()), ratios
+    assert 0.95 <= ratios["sequence"] <= 1.06, ratios
+
+
 @pytest.mark.slow  # 10 s
 def test_the_3d_algorithm_splits_its_linears_and_keeps_the_gathered_blocks():
     """Estimated / measured 1.00 for both grids (2026-11-25); the term split nothing before: 1.45
