@@ -44,10 +44,11 @@ def divisors(n: int) -> list[int]:
 
 def layouts(world_size: int) -> list[tuple[dict[str, int], dict]]:
     # Microbatches: as many as stages (the fewest that fill the pipeline) and twice that (half
-    # the bubble, smaller matmuls); the 1F1B schedule, and interleaved 1F1B with 2 virtual stages
-    # a rank (half the bubble again, twice the sends; a model needs 2 x stages layers for it).
+    # the bubble, smaller matmuls); the 1F1B schedule, and interleaved 1F1B with 2 or 4 virtual
+    # stages a rank (the bubble halved and quartered, the sends doubled and quadrupled; a model
+    # needs 2 or 4 x stages layers for it: pipeline_ineligible says so otherwise).
     return [({"pipeline": p}, {"num_microbatches": m, **({"virtual_pipeline_size": v} if v > 1 else {})})
-            for p in divisors(world_size) for m in (p, 2 * p) for v in (1, 2)]
+            for p in divisors(world_size) for m in (p, 2 * p) for v in (1, 2, 4)]
 
 
 def stage_ranges(model: torch.nn.Module, config: PipelineFields, stages: int) -> list[list[str]]:
