@@ -19,7 +19,8 @@ class MaskBranches(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(16, 8)
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        # 8 blocks: every pipeline layout of 2 ranks splits them, 4 virtual stages a rank included
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(8))
         self.head = nn.Linear(8, 16)
 
     def forward(self, input_ids, attention_mask=None):
@@ -67,7 +68,7 @@ def test_a_batch_the_model_takes_keeps_its_pipelines_and_other_batches_say_why_n
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
-    bert = BertForSequenceClassification(BertConfig(vocab_size=16, hidden_size=8, num_hidden_layers=4,
+    bert = BertForSequenceClassification(BertConfig(vocab_size=16, hidden_size=8, num_hidden_layers=8,
                                                     num_attention_heads=2, intermediate_size=16, num_labels=3))
     reasons = _pipeline_reasons(bert, _batch(labels=torch.randint(0, 3, (8,))))
     assert reasons and all(why is None for why in reasons.values()), reasons  # mask and labels traced
