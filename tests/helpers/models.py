@@ -94,6 +94,20 @@ def serial_steps(model, optim, batches, autocast_dtype: torch.dtype | None = Non
     return losses
 
 
+def global_step_losses(result, steps: int) -> list[float]:
+    """The documented loop over an auto_accelerate result for ``steps`` optimizer steps (each every
+    micro-batch of one global batch): the global batch's token-mean loss of each
+    (``result.last_step.loss``, the same on every rank)."""
+    losses, batches = [], iter(result.dataloader)
+    for _ in range(steps):
+        for _ in range(result.args.get("gradient_accumulation_steps", 1)):
+            batch = result.prepare_input(next(batches), torch.device("cpu"))
+            result.backward(result.loss_func(batch, result.model(**batch)))
+            result.step()
+        losses.append(result.last_step.loss)
+    return losses
+
+
 def result_steps(result, steps: int) -> list[float]:
     """The loop through ``result.backward`` and ``result.step`` (a pipeline's model runs its
     schedule in the forward and needs them): this rank's loss of each step."""

@@ -16,18 +16,12 @@ EVERY = ("fsdp", {"reduce_every_micro_batch": True})
 def _train(strategy: list, steps: int = 3) -> list[float]:
     from atorch.auto import auto_accelerate
     from tests.helpers.hf import CountingTokens, tiny_llama
+    from tests.helpers.models import global_step_losses
 
     _, result, _ = auto_accelerate(tiny_llama(), torch.optim.AdamW, CountingTokens(), lambda batch, out: out.loss,
                                    optim_args={"lr": 1e-2}, dataloader_args={"batch_size": 8},
                                    model_input_format="unpack_dict", load_strategy=strategy)
-    losses, batches = [], iter(result.dataloader)
-    for _ in range(steps):
-        for _ in range(result.args.get("gradient_accumulation_steps", 1)):
-            batch = result.prepare_input(next(batches), torch.device("cpu"))
-            result.backward(result.loss_func(batch, result.model(**batch)))
-            result.step()
-        losses.append(result.last_step.loss)
-    return losses
+    return global_step_losses(result, steps)
 
 
 def test_reducing_every_micro_batch_trains_as_the_single_process():

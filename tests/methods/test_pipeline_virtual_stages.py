@@ -26,17 +26,12 @@ def _pipeline(virtual: int) -> list:
 def _train(strategy: list) -> list[float]:
     from atorch.auto import auto_accelerate
     from tests.helpers.hf import CountingTokens
+    from tests.helpers.models import global_step_losses
 
     _, result, _ = auto_accelerate(_llama8(), torch.optim.AdamW, CountingTokens(), lambda batch, out: out.loss,
                                    optim_args={"lr": 1e-2}, dataloader_args={"batch_size": 8},
                                    model_input_format="unpack_dict", load_strategy=strategy)
-    batches, losses = iter(result.dataloader), []
-    for _ in range(3):
-        batch = result.prepare_input(next(batches), torch.device("cpu"))
-        result.backward(result.loss_func(batch, result.model(**batch)))
-        result.step()
-        losses.append(result.last_step.loss)
-    return losses
+    return global_step_losses(result, 3)
 
 
 def test_four_virtual_stages_a_rank_train_as_the_single_process():
