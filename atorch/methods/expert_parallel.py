@@ -139,6 +139,7 @@ def shard(ctx: ModelContext, config: ExpertParallelConfig) -> None:
                        data, experts)
         return
     routed = _routed_blocks(ctx.model, found)  # checked on every block before any is changed
+    _start_from_the_first_rank(found, topology.data_parallel_group)
     group, replicas = _groups(size)
     # under fsdp or zero2 (FSDP2), slices held by several ranks are sharded over those copies (EP x FSDP)
     sharded = ctx.strategy is not None and any(ctx.strategy.get(name) is not None for name in SHARDERS)
@@ -149,6 +150,17 @@ def shard(ctx: ModelContext, config: ExpertParallelConfig) -> None:
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(ctx.model, ignored)
     logger.info("expert_parallel: %d experts over groups of %d ranks (%d a rank) in %d MoE blocks", experts, size,
                 experts // size, len(found))
+
+
+def _start_from_the_first_rank(found: dict, data_group) -> None:
+    """Every rank slices the first data rank's experts, as DDP and fsdp start every other weight
+    from it (they leave the slices alone): without it, ranks that built their model from other
+    seeds would hold slices of different models, and copies of one slice would differ for good."""
+    source = dist.get_global_rank(data_group, 0)
+    with torch.no_grad():
+        for module in found.values():
+            for param in module.parameters():
+                dist.broadcast(param.data, src=source, group=data_group)
 
 
 def _routed_blocks(model: torch.nn.Module, found: dict) -> dict:

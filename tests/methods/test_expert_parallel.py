@@ -66,6 +66,34 @@ def test_expert_parallel_equals_the_single_process(kind, world):
     assert max(gaps.values()) < 1e-4, max(gaps.items(), key=lambda kv: kv[1])
 
 
+def _sliced_from_other_seeds() -> dict:
+    """Each rank draws its model's weights from its own seed; 4 ranks, groups of 2."""
+    from atorch.auto import auto_accelerate
+
+    model = tiny_moe("mixtral")
+    torch.manual_seed(dist.get_rank())
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_()
+    first = [model.model.layers[0].mlp.experts.gate_up_proj.detach().clone()]
+    dist.broadcast_object_list(first, src=0)
+    _, result, _ = auto_accelerate(model, torch.optim.AdamW,
+                                   load_strategy=["parallel_mode", ("expert_parallel", {"size": 2})])
+    piece = getattr(result.model, "module", result.model).model.layers[0].mlp.experts.gate_up_proj.detach()
+    rank = dist.get_rank()
+    return {"piece": piece, "expected": first[0][rank % 2 * 2:(rank % 2 + 1) * 2]}
+
+
+def test_every_rank_slices_the_first_ranks_experts():
+    """Each rank draws its weights from its own seed before expert_parallel: every slice (and both
+    copies of it) is the first rank's, as DDP starts the other weights from it. Before, each rank
+    sliced its own draw, and the copies of a slice differed for good."""
+    pytest.importorskip("transformers")
+    ranks = run_distributed(_sliced_from_other_seeds, 4)
+    for rank in ranks:
+        assert torch.equal(rank["piece"], rank["expected"])
+
+
 @pytest.mark.parametrize("accumulate", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_expert_groups_smaller_than_the_data_ranks_sum_their_replicas_gradients(accumulate):
     # 4 ranks, groups of 2: each slice of 2 experts lives on 2 ranks, whose gradients are summed;
