@@ -256,7 +256,7 @@ def cost_term(config: ExpertParallelConfig, cost) -> None:
     cost.forward_flops += blocks * cost.tokens * choices * _pair_flops(found) * busiest_excess(pairs, size)
     copies = cost.dp_size // size
     if copies > 1:
-        _copies_sync(cost, found, size, copies)
+        _copies_sync(cost, found, routed, size, copies, fsdp2)
 
 
 def busiest_excess(pairs: float, size: int) -> float:
@@ -282,17 +282,20 @@ def _pair_flops(found: dict) -> float:
     return 2.0 * (module.gate_up_proj[0].numel() + module.down_proj[0].numel())
 
 
-def _copies_sync(cost, found: dict, size: int, copies: int) -> None:
-    """The sync of a slice held by ``copies`` ranks: under fsdp sharded over them (its own unit in
-    each block: gathered in forward and again in backward, its gradients reduce-scattered, in
-    FSDP's dtypes), else one all-reduce a weight (2 a block) of the rank's experts' gradients."""
+def _copies_sync(cost, found: dict, routed: int, size: int, copies: int, fsdp2: bool) -> None:
+    """The sync of a slice held by ``copies`` ranks (``routed``: the experts' bytes, all ranks'):
+    under fsdp or zero2 sharded over them (its own unit in each block, or each of its experts':
+    gathered in forward, and again in backward under fsdp, its gradients reduce-scattered, in
+    FSDP's dtypes), else one all-reduce a weight of the rank's experts' gradients."""
     from atorch.auto.step_cost import Comm
 
     element = 2 if cost.compute_dtype == "half" else 4  # Comm's unit: elements of this width
-    local = sum(p.numel() * p.element_size() for m in found.values() for p in m.parameters()) * cost.weight_scale / size
+    local = routed * cost.weight_scale / size
     units = sum(len(m) // size if isinstance(m, torch.nn.ModuleList) else 1 for m in found.values())
-    if not set(SHARDERS) & set(cost.methods):
-        cost.comms.append(Comm("data", local / element, 2 * len(found), factor=2 * (copies - 1) / copies,
+    if not fsdp2:  # one all-reduce per weight of the slice: 2 a fused block, each local expert's own
+        weights = sum(len(list(m[0].parameters())) * len(m) // size if isinstance(m, torch.nn.ModuleList)
+                      else len(list(m.parameters(recurse=False))) for m in found.values())
+        cost.comms.append(Comm("data", local / element, weights, factor=2 * (copies - 1) / copies,
                                method="expert_parallel"))
         return
     cost.apart_copies = copies

@@ -42,7 +42,8 @@ def mark_slice(param: nn.Parameter, owner: nn.Module, group, replicas, hooks: bo
     """Make ``param`` one of this rank's expert weights: held apart from the data ranks, its
     gradient divided by the group's size and, where the same slice lives on other ranks (expert
     groups smaller than the data ranks), averaged over them. Without ``hooks``, fsdp will shard
-    the slice over those copies and reduce it (:func:`shard_over_copies`): the mark only.
+    the slice over those copies and reduce it (:func:`over_copies`, then atorch/sharding/fsdp2.py
+    ``shard_expert_copies``): the mark only.
 
     A slice's gradient, which the all-to-all's backward brings from every token of the group, is
     divided by the group's size: each rank's loss is a mean over its own tokens, averaged over

@@ -26,7 +26,7 @@ PROBE_TOKENS = 64
 class RoutedBlock:
     """The forward of a ModuleList MoE block: ``block(hidden_states)`` -> output, with the router
     logits beside it where the block returns them. ``experts`` is called as
-    ``experts(hidden_states, top_k_index, top_k_weights)``: :func:`serial_experts`, or a
+    ``experts(hidden_states, top_k_index, top_k_weights)``: :class:`_SerialExperts`, or a
     :class:`Dispatch` over the ranks."""
 
     def __init__(self, block: nn.Module, top_k: int, normalize: bool, returns_logits: bool, experts):

@@ -281,6 +281,20 @@ def test_the_load_imbalance_term_is_the_busiest_ranks_excess_the_dispatch_makes(
     mean = sum(measured) / len(measured)
     assert mean == pytest.approx(busiest_excess(128, 4), rel=0.15), mean
     assert busiest_excess(128, 1) == 0 and busiest_excess(4096 * 2, 8) < 0.02  # Mixtral's micro-batch: 1.5%
+    # the step's FLOPs grow by that share of the experts' (2 blocks, 2 choices, 3 x 32 x 64 weights each)
+    from atorch.auto.plan import resolve_strategy
+    from atorch.auto.search.cost import build_cost
+    from atorch.auto.strategy import Strategy
+    from tests.helpers.hf import SEQ
+
+    with torch.device("meta"):
+        model = tiny_moe("mixtral")
+    tokens = 8 // 2 * SEQ
+    flops = {name: build_cost(model, resolve_strategy(model, Strategy(methods)), {"data": 2}, 2.0, 0, 1e9,
+                              tokens).forward_flops
+             for name, methods in (("plain", ["parallel_mode"]), ("experts", ["parallel_mode", "expert_parallel"]))}
+    extra = 2 * tokens * 2 * (2 * 3 * 32 * 64) * busiest_excess(tokens * 2, 2)
+    assert flops["experts"] - flops["plain"] == pytest.approx(extra) and extra > 0
 
 
 COPIES = ["parallel_mode", "fsdp", ("expert_parallel", {"size": 2})]
