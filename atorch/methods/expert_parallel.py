@@ -30,11 +30,11 @@ from atorch.auto.method_spec import MethodSpec, Stage, register_method
 from atorch.errors import MethodConfigError, WorldSizeError
 from atorch.utils.log import logger
 
-NOT_YET = ("expert_parallel runs under DDP, fsdp or zero2 over data ranks only in this version; {0} shards or "
-           "splits the weights another way; remove one of them (fsdp or zero2 shard the other weights)")
-# zero2 on DeepSpeed or fairscale declares its own conflict with expert_parallel (zero2.py)
+NOT_YET = ("expert_parallel runs under DDP, fsdp, zero1 or zero2 over data ranks only in this version; {0} "
+           "shards or splits the weights another way; remove one of them (fsdp, zero1 or zero2 shard the others)")
+# zero1 and zero2 on DeepSpeed or fairscale declare their own conflict with expert_parallel
 _CONFLICTS = {name: NOT_YET.format(name) for name in (
-    "zero1", "sequence_parallel", "pipeline_parallel", "mixed_parallel",
+    "sequence_parallel", "pipeline_parallel", "mixed_parallel",
     "ds_3d_parallel", "genomic_bottleneck")}
 
 

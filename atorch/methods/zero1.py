@@ -34,11 +34,15 @@ def _zero_optimizer(ctx: ModelContext):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from atorch.sharding.local_step import step_on_local_shards
+    from atorch.sharding.zero_beside_slices import ZeroBesideSlices, is_slice
 
     # Groups' parameter iterables listed once: the dtype check below must not use them up.
     params = [dict(item, params=list(item["params"])) if isinstance(item, dict) else item
               for item in ctx.optim_params()]
-    optim = ZeroRedundancyOptimizer(
+    flat = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
+    # expert_parallel's slices differ from rank to rank: each rank steps its own (zero_beside_slices.py)
+    zero = ZeroBesideSlices if any(is_slice(p) for p in flat) else ZeroRedundancyOptimizer
+    optim = zero(
         params,
         optimizer_class=ctx.optim_func,
         process_group=ctx.topology.data_parallel_group,
@@ -74,6 +78,9 @@ def _conflicts(config: Zero1Config) -> dict[str, str]:
     out = {"zero2": ONE_SHARDING, "fsdp": ONE_SHARDING}
     if config.use_ds_zero:
         out["gradient_accumulation"] = DS_ACCUMULATES
+        out["expert_parallel"] = ("expert_parallel's slices differ from rank to rank; DeepSpeed's ZeRO-1 would "
+                                  "partition and broadcast them as shared weights; zero1 without use_ds_zero "
+                                  "leaves each rank its own slices")
         # deepspeed.initialize takes the pipeline model as one module and its ZeRO step found no
         # gradients it had reduced (KeyError in scaled_global_norm, pipeline 2 x data 2)
         out.update(dict.fromkeys(("pipeline_parallel", "mixed_parallel"), PIPELINE_DS_ZERO))
@@ -95,11 +102,13 @@ def cost_term(config: Zero1Config, cost) -> None:
     if not config.use_ds_zero:
         # ZeroRedundancyOptimizer hands out whole tensors: some rank holds the largest one (often
         # the embedding), however many ranks there are.
-        largest = once(("largest trainable bytes", id(cost.model)), lambda: max(
-            (p.numel() * p.element_size() for p in cost.model.parameters() if p.requires_grad), default=0))
+        largest = once(("largest trainable bytes", id(cost.model), cost.held_apart > 0),
+                       lambda: _largest_shared(cost.model, cost.held_apart > 0))
         largest *= cost.weight_scale * cost.split
-        cost.optim_state = max(cost.optim_state, largest * cost.state_factor)
-        cost.stepped = max(cost.stepped, largest)
+        # beside expert_parallel every rank also steps its own slices (zero_beside_slices.py)
+        apart = cost.param_bytes(True) * cost.weight_scale * cost.split * cost.held_apart
+        cost.optim_state = max(cost.optim_state, (largest + apart) * cost.state_factor)
+        cost.stepped = max(cost.stepped, largest + apart)
         cost.step_temp = cost.stepped  # foreach kernels over the shard's parameters (local_step.py)
     else:
         zero_memory_terms(cost, merged(config))
@@ -111,6 +120,18 @@ def cost_term(config: Zero1Config, cost) -> None:
     cost.sync_calls = {"bucket_bytes": DDP_BUCKET_BYTES, "all_gather": cost.dp_size}
     # the all-reduce runs in DDP's buckets during backward; the broadcast waits for the step
     cost.sync_overlap = {"all_reduce": ("backward",)}
+
+
+def _largest_shared(model, apart: bool) -> int:
+    """The bytes of the largest trainable weight ZeRO hands out (without expert_parallel's slices,
+    which stay with their own ranks, when ``apart``)."""
+    skip = set()
+    if apart:
+        from atorch.parallel_layers.experts import routed_experts
+
+        skip = {id(p) for m in routed_experts(model).values() for p in m.parameters()}
+    return max((p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and id(p) not in skip),
+               default=0)
 
 
 register_method(

@@ -528,7 +528,11 @@ def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int],
                activation_profile: tuple = (), checkpointed_saves: float = 0.0, unit_spans: tuple = (),
                attention_flops: float = 0.0, accumulation: int = 1, forward_traffic: float = 0.0) -> StepCost:
     """The candidate's :class:`StepCost`: the whole model's terms, then each method's ``cost_term``
-    (``accumulation``: see StepCost.accumulation)."""
+    (``accumulation``: see StepCost.accumulation), in the order the methods are applied whatever
+    the list's order: a term reads what the earlier ones set (expert_parallel's ``held_apart``
+    before a sharding method divides the rest)."""
+    from atorch.auto.order import applied_order
+
     cost = StepCost(model, dict(dims), state_factor, device_type, forward_flops, tokens,
                     frozenset(absorbed_methods(strategy)),
                     tuple(strategy.opt_names), forward_ops, optim_seconds_per_byte)
@@ -549,10 +553,11 @@ def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int],
     cost.attention_flops = attention_flops
     cost.forward_traffic = forward_traffic
     cost.charge("step")  # the training step's own host overhead (StepCost.overheads)
-    for name, config in strategy.items():
+    configs = dict(strategy.items())
+    for name in applied_order(configs):
         term = get_method(name).cost_term
         if term is not None:
-            term(config, cost)
+            term(configs[name], cost)
     return cost
 
 
