@@ -28,21 +28,28 @@ def grad_norm(parameters: torch.nn.Module | Iterable[torch.Tensor], norm_type: f
     if not params:
         return torch.tensor(0.0)
     is_inf = math.isinf(norm_type)
+    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
     groups: dict[tuple, list[torch.Tensor]] = {}
+    presummed = _presummed(params, norm_type, op)
     for p in params:
+        if getattr(p, "presum_group", None) is not None:
+            continue
         g = p.grad
         key = (g.device_mesh, tuple(g.placements), getattr(p, "shard_group", None)) if isinstance(g, DTensor) else None
         if key is None and getattr(p, "shard_group", None) is not None:
             key = ("group", p.shard_group)
         groups.setdefault(key, []).append(g.to_local() if isinstance(g, DTensor) else g)
+    for key in presummed:
+        groups.setdefault(key, [])
     parts = []
     for key, local in groups.items():
-        part = _local_power_sum(local, norm_type)
+        part = _local_power_sum(local, norm_type) if local else torch.tensor(0.0)
+        if key in presummed:  # summed over their own group first: one more piece of this key's
+            part = torch.maximum(part, presummed[key]) if is_inf else part + presummed[key]
         if key is not None and isinstance(key[0], str):  # ("group", shard_group)
-            dist.all_reduce(part, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=key[1])
+            dist.all_reduce(part, op=op, group=key[1])
         elif key is not None:
             mesh, placements, pieces = key
-            op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
             for dim, placement in enumerate(placements):
                 if isinstance(placement, Shard):
                     dist.all_reduce(part, op=op, group=mesh.get_group(dim))
@@ -51,6 +58,26 @@ def grad_norm(parameters: torch.nn.Module | Iterable[torch.Tensor], norm_type: f
         parts.append(part)
     total = torch.stack([p.to(parts[0].device) for p in parts])
     return total.max() if is_inf else total.sum() ** (1.0 / norm_type)
+
+
+def _presummed(params: list[torch.Tensor], norm_type: float, op) -> dict[tuple, torch.Tensor]:
+    """The power sums of the parameters that carry a ``presum_group`` (expert_parallel's slices in
+    a pipeline stage: other experts on each rank of their expert group, other layers on each
+    stage), each summed over that group first, by ``("group", shard_group)`` key, where they join
+    the other parameters of the key (the pipeline's): every rank of a stage holds them alike."""
+    pending: dict[tuple, dict] = {}
+    for p in params:
+        if getattr(p, "presum_group", None) is not None:
+            pending.setdefault(("group", p.shard_group), {}).setdefault(p.presum_group, []).append(p.grad)
+    out = {}
+    for key, by_group in pending.items():
+        sums = []
+        for group, grads in by_group.items():
+            part = _local_power_sum(grads, norm_type)
+            dist.all_reduce(part, op=op, group=group)
+            sums.append(part)
+        out[key] = torch.stack(sums).max() if op == dist.ReduceOp.MAX else torch.stack(sums).sum()
+    return out
 
 
 def clip_grad_norm(model: torch.nn.Module | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

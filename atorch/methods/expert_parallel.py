@@ -13,8 +13,9 @@ Two shapes of experts: the fused experts of transformers 5 (Mixtral, Qwen2-MoE, 
 OLMoE: ``gate_up_proj`` / ``down_proj`` of shape ``[experts, ...]``), and a ModuleList of expert
 MLPs beside a router, whose block is computed as it computes itself (checked on a probe:
 atorch/parallel_layers/expert_list.py). The methods that shard or split weights otherwise are
-refused with the reason, and so is a model without such experts. This version runs over data
-ranks only.
+refused with the reason, and so is a model without such experts. Beside tensor_parallel the
+experts split over the data ranks of each tensor rank; in a pipeline (pipeline_parallel,
+mixed_parallel) over the data ranks of each stage.
 """
 
 import math
@@ -30,11 +31,12 @@ from atorch.auto.method_spec import MethodSpec, Stage, register_method
 from atorch.errors import MethodConfigError, WorldSizeError
 from atorch.utils.log import logger
 
-NOT_YET = ("expert_parallel runs under DDP, fsdp, zero1 or zero2 over data ranks only in this version; {0} "
-           "shards or splits the weights another way; remove one of them (fsdp, zero1 or zero2 shard the others)")
+NOT_YET = ("expert_parallel splits the experts over data ranks under DDP, fsdp, zero1 or zero2, beside tensor "
+           "and pipeline stages, in this version; {0} shards or splits the weights another way; remove one of "
+           "them (fsdp, zero1 or zero2 shard the other weights, tensor_parallel splits attention)")
 # zero1 and zero2 on DeepSpeed or fairscale declare their own conflict with expert_parallel
 _CONFLICTS = {name: NOT_YET.format(name) for name in (
-    "sequence_parallel", "pipeline_parallel", "mixed_parallel",
+    "sequence_parallel",
     "ds_3d_parallel", "genomic_bottleneck")}
 
 
@@ -128,9 +130,10 @@ def shard(ctx: ModelContext, config: ExpertParallelConfig) -> None:
 
     topology = ctx.topology
     data = topology.data_parallel_size
-    if dist.get_world_size() != data * topology.size("tensor"):
-        raise MethodConfigError("expert_parallel runs over data-parallel ranks, beside tensor ones, in this version; "
-                                "parallel_mode has other dims: give it data (and tensor) ranks only")
+    if dist.get_world_size() != data * topology.size("tensor") * topology.size("pipeline"):
+        raise MethodConfigError("expert_parallel runs over data-parallel ranks, beside tensor and pipeline ones, in "
+                                "this version; parallel_mode has other dims: give it data, tensor and pipeline "
+                                "ranks only")
     found = _experts(ctx.model)
     experts = _count(found)
     size = group_size(data, experts, config.size)
@@ -204,8 +207,8 @@ def ineligible(model: torch.nn.Module, config: ExpertParallelConfig, job) -> str
         return str(error)
     data = job.dims.get("data", 1)
     experts = _count(found)
-    if any(size > 1 for name, size in job.dims.items() if name not in ("data", "tensor")):
-        return "expert_parallel runs over data-parallel ranks, beside tensor ones, only in this version"
+    if any(size > 1 for name, size in job.dims.items() if name not in ("data", "tensor", "pipeline")):
+        return "expert_parallel runs over data-parallel ranks, beside tensor and pipeline ones, only in this version"
     try:
         if group_size(data, experts, config.size) < 2:
             return f"expert_parallel: {data} data ranks and {experts} experts share no divisor above 1"

@@ -8,6 +8,7 @@ dims is done by the pipeline model itself (no DDP wrapper).
 """
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
@@ -285,13 +286,18 @@ def pipeline_terms(cost, config: PipelineFields, stages: int) -> None:
     share = max(per_rank) / max(sum(sizes), 1)
     cost.split_model(share)
     cost.stage_share *= share
+    m, v = config.num_microbatches, config.virtual_pipeline_size
+    # expert_parallel's traffic (charged for every MoE block): the rank's stages' blocks only; its
+    # all-to-alls once per microbatch, its copies' average once a step
+    cost.comms = [replace(c, elements=c.elements * share,
+                          messages=max(1, round(c.messages * share * (m if c.kind == "send_recv" else 1))))
+                  if c.method == "expert_parallel" else c for c in cost.comms]
     # After the schedule the pipeline model all-reduces each of its stages' gradients over the data
     # ranks, one blocking collective a parameter (PipelineModel._average_data_parallel_grads): no
     # DDP buckets, nothing behind backward. Costed as DDP's overlapped buckets, pipeline=4 x data=16
     # on 7B was 0.442 s a step, 0.608 s by the collectives the code makes (estimated, H100 profile).
     cost.sync_calls = {"all_reduce": tensors[per_rank.index(max(per_rank))]}
     cost.sync_overlap = {}
-    m, v = config.num_microbatches, config.virtual_pipeline_size
     schedule = check_schedule(config.schedule, v)
     params = {span.name: sum(p.numel() for p in cost.model.get_submodule(span.name).parameters())
               for span in cost.unit_spans}

@@ -56,6 +56,7 @@ def mark_slice(param: nn.Parameter, owner: nn.Module, group, replicas, hooks: bo
     scale = 1.0 / dist.get_world_size(group)
     param.expert_parallel = True
     param.shard_group = group  # clip_grad_norm sums a sharded weight's norm over this group
+    param.replica_group = replicas  # a pipeline averages the copies itself, once a step
     if not hooks:
         return
     param.register_hook(lambda grad: grad * scale)
@@ -113,14 +114,17 @@ class _FusedSlice:
             part = F.linear(module.act_fn(gate) * up, down.to(rows.dtype))
             out = out.index_add(0, where, part.to(out.dtype))
         if rows.shape[0] == 0 and torch.is_grad_enabled():
-            out = out + untouched([module.gate_up_proj, module.down_proj], out.dtype)
+            out = out + untouched([module.gate_up_proj, module.down_proj, rows], out.dtype)
         return out
 
 
-def untouched(weights, dtype: torch.dtype) -> torch.Tensor:
-    """0, joined to ``weights`` in the graph: experts no token reached still get (zero) gradients,
-    so every rank's backward runs the same hooks and collectives (the copies' all-reduce)."""
-    return 0 * sum(w.sum() for w in weights).to(dtype)
+def untouched(tensors, dtype: torch.dtype) -> torch.Tensor:
+    """0, joined to ``tensors`` in the graph: experts no token reached still get (zero) gradients,
+    so every rank's backward runs the same hooks and collectives (the copies' all-reduce); and the
+    (empty) rows that arrived stay an input of the result, so a backward to the block's inputs
+    only (a pipeline stage's input gradients: torch.distributed.pipelining's shape inference, a
+    split backward) still runs the all-to-alls back on this rank, as on the ranks that got rows."""
+    return 0 * sum(t.sum() for t in tensors).to(dtype)
 
 
 def _rows_of(ids: torch.Tensor, local: int):

@@ -7,6 +7,7 @@ The model is split at module boundaries: by a layout that knows the model family
 holding the end of the model computes the loss.
 """
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -311,7 +312,8 @@ class PipelineModel(nn.Module):
         extra = {"return_outputs": False} if train else {}
         self._in_schedule = True  # from here a failure leaves the ranks out of step
         self._parts, self._mb_losses = {}, {}
-        run(*args, target=target, losses=[], **extra)
+        with _copies_unsynced(module for _, module in self.local_named_modules()):
+            run(*args, target=target, losses=[], **extra)
         self._microbatches = []
         last_rank = self.stages[0].stage_index_to_group_rank[self.num_stages - 1]
         totals = self._step_totals(last_rank)
@@ -397,13 +399,24 @@ class PipelineModel(nn.Module):
                 param.grad = value
 
     def _reduce_data_parallel_grads(self, factor: float) -> None:
-        """Gradients summed over the data ranks, then multiplied by ``factor`` (``K / N``)."""
+        """Gradients summed over the data ranks, then multiplied by ``factor`` (``K / N``).
+
+        expert_parallel's slices are not: each is a different tensor on each rank of its expert
+        group, whose gradient the all-to-all's backward already brought from every token of the
+        group, divided by the group's size. Averaged over the slice's copies (the ranks of other
+        groups that hold the same experts), it is the data ranks' mean, times the data size the
+        sum the other weights get."""
         group, size = self.topology.data_parallel_group, self.topology.data_parallel_size
         for param in self.local_parameters():
-            if param.grad is not None:
-                if size > 1:
-                    dist.all_reduce(param.grad, group=group)
-                param.grad.mul_(factor)
+            if param.grad is None:
+                continue
+            if getattr(param, "expert_parallel", False):
+                _average_over_copies(param)
+                param.grad.mul_(factor * size)
+                continue
+            if size > 1:
+                dist.all_reduce(param.grad, group=group)
+            param.grad.mul_(factor)
 
 
 class _Stage(PipelineStage):
@@ -418,6 +431,27 @@ class _Stage(PipelineStage):
 
         with tracker_of(self.submod).kept():
             return super()._prepare_forward_infra(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _copies_unsynced(modules):
+    """expert_parallel's copies of a slice left unaveraged through the schedule's microbatches:
+    :meth:`PipelineModel._reduce_data_parallel_grads` averages them once, after the last."""
+    owners = [m for m in modules if getattr(m, "_atorch_expert_sync", None) is True]
+    for owner in owners:
+        owner._atorch_expert_sync = False
+    try:
+        yield
+    finally:
+        for owner in owners:
+            owner._atorch_expert_sync = True
+
+
+def _average_over_copies(param: torch.Tensor) -> None:
+    replicas = getattr(param, "replica_group", None)
+    if replicas is not None and dist.get_world_size(replicas) > 1:
+        dist.all_reduce(param.grad, group=replicas)
+        param.grad.div_(dist.get_world_size(replicas))
 
 
 def _tied_parameters(module: nn.Module, stage_units: list[list[str]]) -> list[list[tuple[int, str]]]:
@@ -449,6 +483,11 @@ def _mark_shards(params, topology: Topology) -> None:
         names = sorted(("pipeline", "tensor"), key=topology.mesh.mesh_dim_names.index)
         pipeline_tensor = topology.submesh(*names)._flatten("pipeline_tensor").get_group()
     for param in params:
+        if getattr(param, "expert_parallel", False):
+            # other experts on each rank of its expert group (all in this stage), other layers on
+            # each stage: summed over the expert group first, then with the stage's other weights
+            param.presum_group, param.shard_group = param.shard_group, topology.group("pipeline")
+            continue
         if getattr(param, "shard_group", None) is not None and not getattr(param, "tensor_model_parallel", False):
             continue  # a tensor-parallel slice's group is widened to pipeline x tensor below
         sharded = getattr(param, "tensor_model_parallel", False) and pipeline_tensor is not None
