@@ -106,6 +106,10 @@ class MethodSpec:
     # ``changes_nothing(model, config)``: why the method would leave this model as it is (then it
     # is dropped before anything runs, with that reason logged), or None.
     changes_nothing: Callable[[Any, MethodConfig], str | None] | None = None
+    # ``idle_on_layout(model, config, dims)``: why the method would change nothing on this model
+    # with these parallel_mode dims (expert_parallel where the data ranks and the experts share no
+    # divisor), or None; dropped as ``changes_nothing`` is.
+    idle_on_layout: Callable[[Any, MethodConfig, dict[str, int]], str | None] | None = None
     # ``leaves_whole(model, config)``: what of ``model`` the method runs on but leaves undone (a
     # part it does not split), or None; a WARNING, kept in the result's notes.
     leaves_whole: Callable[[Any, MethodConfig], str | None] | None = None

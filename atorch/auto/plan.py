@@ -256,6 +256,8 @@ def resolve_strategy(model, strategy: Strategy, notes: list[Note] | None = None)
     A method that would change nothing on ``model`` is dropped: with ``notes`` (the user's own
     strategy) the drop is appended there for the caller to log at WARNING; without (the search's
     candidates) it is logged at INFO, once per search (:func:`each_drop_once`)."""
+    mode = strategy.get("parallel_mode") if "parallel_mode" in strategy else None
+    dims = dict(mode.dims) if getattr(mode, "dims", None) else None
     for name, config in strategy.items():
         spec = get_method(name)
         if spec.resolve is not None:
@@ -263,6 +265,8 @@ def resolve_strategy(model, strategy: Strategy, notes: list[Note] | None = None)
             strategy = strategy.replace(name, config)
         _note_what_stays_whole(spec, model, config, notes)
         idle = spec.changes_nothing(model, config) if spec.changes_nothing is not None else None
+        if idle is None and dims is not None and spec.idle_on_layout is not None:
+            idle = spec.idle_on_layout(model, config, dims)
         if idle is not None:
             strategy = strategy.without(name)
             note = dropped(name, f"it would change nothing: {idle}")

@@ -217,6 +217,19 @@ def ineligible(model: torch.nn.Module, config: ExpertParallelConfig, job) -> str
     return None
 
 
+def idle_on_layout(model: torch.nn.Module, config: ExpertParallelConfig, dims: dict[str, int]) -> str | None:
+    """Why expert_parallel would leave the experts whole on these dims: the data ranks and the
+    experts share no divisor above 1 (then it is dropped, with this note, before anything runs)."""
+    from atorch.distributed.topology import DATA_PARALLEL_DIMS
+
+    data = math.prod(size for name, size in dims.items() if name in DATA_PARALLEL_DIMS)
+    experts = _count(_experts(model))
+    if config.size is None and math.gcd(data, experts) < 2:
+        return (f"its {data} data ranks and the {experts} experts share no divisor above 1, so every rank would "
+                "keep every expert; use a number of data ranks that shares a factor with the experts")
+    return None
+
+
 def cost_term(config: ExpertParallelConfig, cost) -> None:
     """Memory: a rank keeps 1 / size of the routed experts' weights, gradients and optimizer state,
     held apart from the data ranks (``StepCost.held_apart``: fsdp does not shard them, the data
@@ -330,6 +343,7 @@ register_method(
         search_space=({},),
         applies_to=has_experts,
         ineligible=ineligible,
+        idle_on_layout=idle_on_layout,
         decided_by=("collectives",),
         probed=False,  # its groups and all-to-alls need the ranks; cost_term divides the experts instead
     )

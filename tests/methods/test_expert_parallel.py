@@ -397,13 +397,13 @@ def _zero1_partition() -> dict:
             "shared_stepped": sum(not is_slice(p) for p in stepped), "shared": sum(not is_slice(p) for p in every)}
 
 
-def _build_only(strategy: list):
+def _build_only(strategy: list, batch_size: int = 8):
     from atorch.auto import auto_accelerate
     from tests.helpers.hf import CountingTokens
 
     _, result, _ = auto_accelerate(tiny_moe("mixtral"), torch.optim.AdamW, CountingTokens(),
                                    lambda batch, out: out.loss, optim_args={"lr": 1e-2},
-                                   dataloader_args={"batch_size": 8}, model_input_format="unpack_dict",
+                                   dataloader_args={"batch_size": batch_size}, model_input_format="unpack_dict",
                                    load_strategy=strategy)
     return result
 
@@ -563,3 +563,18 @@ def test_in_a_pipeline_stage_the_cost_term_charges_the_stages_blocks_per_microba
     floats = sum(payload for _, payload in measured) / len(measured) - integers
     assert floats == pytest.approx(4 * 1 * tokens * choices * hidden * 4)
     assert charged.elements * 4 == pytest.approx(floats * (2 - 1) / 2, rel=0.05)
+
+
+def _notes_on_three_ranks() -> list:
+    result = _build_only(["parallel_mode", "expert_parallel"], batch_size=6)
+    return [list(result.notes), [n for n, p in result.model.named_parameters() if getattr(p, "expert_parallel", 0)]]
+
+
+def test_on_data_ranks_that_share_no_divisor_with_the_experts_it_is_dropped_with_a_note():
+    """3 data ranks, 4 experts: every rank would keep every expert. The result says so (a note,
+    logged at WARNING), never silence; the job trains as DDP."""
+    pytest.importorskip("transformers")
+    notes, slices = run_distributed(_notes_on_three_ranks, 3)[0]
+    assert any(note.startswith("expert_parallel: dropped because it would change nothing: its 3 data ranks and "
+                               "the 4 experts share no divisor") for note in notes), notes
+    assert not slices
