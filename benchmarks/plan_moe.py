@@ -7,8 +7,8 @@ Runs (BF16, sequence 4096, H100 80GB):
 
 - Mixtral 8x7B on 64 GPUs, global batch 256: Megatron-Core v0.9 reports 468 TFLOP/s a GPU
   (docs.nvidia.com/megatron-core/developer-guide/latest/api-guide/moe.html, "Megatron Core
-  MoE"). Its layout is not given beside the figure; atorch has no pipeline x expert layout, so
-  only the pick is set beside it.
+  MoE"). Its layout is not given beside the figure, so only the pick is set beside it (the
+  search weighs pipeline x expert layouts too since 2026-11-28; the pick stayed data=64).
 - Qwen3-30B-A3B (Qwen3 MoE 30B) on 8 GPUs, global batch 512: NeMo AutoModel's performance
   summary (docs.nvidia.com/nemo/automodel, "Pre-Training Performance", DGX-H100 BF16) reports
   12,040 tokens/s a GPU, 277 model TFLOP/s, with EP 8 x FSDP 8, micro-batch 4, 16 accumulation
