@@ -143,7 +143,7 @@ def cmd_plan(args) -> int:
     if args.batch_size is not None:
         print(f"  activations      measured on one per-rank micro-batch ({args.batch_size // args.world_size} x "
               f"{args.seq_len}) in the model's dtype ({str(next(model.parameters()).dtype).removeprefix('torch.')}); "
-              "bfloat16/float16 under amp_native; checkpointing keeps the block inputs")
+              "under amp_native in autocast's dtypes (its casts emulated on meta); checkpointing keeps the block inputs")
     if args.batch_size is not None and (note := plan_report.amp_note(args.exclude)):
         print(note)
     print(f"  sharding over {args.world_size} data-parallel ranks: zero1 divides optimizer state, zero2 also "

@@ -275,6 +275,7 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
         # go uncounted in one run and counted in the next (two ranks' probes disagreed)
         op_counter.weights = set(counter.weights)
         on_meta = any(p.is_meta for p in probe.parameters())
+        _count_weight_casts_as_weights(probe, counter)
         # a CPU's profiles have no memory bandwidth to charge it at (StepCost.traffic_seconds)
         op_counter.count_traffic = on_meta or device_ctx.device.type != "cpu"
         if not on_meta:  # a plan on the meta device keeps its meta inputs
@@ -313,6 +314,20 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
                        op_counter.attention_flops, op_counter.traffic])
     saved = _with_activation_terms(strategy, stages, counter.by_dtype) if on_meta else counter.by_dtype
     return sum(saved.values()), checkpointed
+
+
+def _count_weight_casts_as_weights(probe: torch.nn.Module, counter: "_SavedBytes") -> None:
+    """amp_native's emulated autocast on meta tensors (atorch/amp/meta_autocast.py) reports each
+    cast of a weight, as :meth:`_SavedBytes.casts` does of autocast's on a real device."""
+    from atorch.amp.meta_autocast import MetaAutocastForward
+
+    def add(_weight: torch.Tensor, cast: torch.Tensor) -> None:
+        counter.weights.add(_storage_key(cast))
+
+    for module in probe.modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, MetaAutocastForward):
+            forward.on_weight_cast = add
 
 
 def _apply_probed(ctx, strategy: Strategy, stages) -> None:

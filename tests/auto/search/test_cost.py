@@ -150,15 +150,17 @@ def _amp_ratios(device: str) -> tuple[float, float]:
     return saved([amp]) / saved([]), saved([amp, "checkpoint"]) / saved(["checkpoint"])
 
 
-def test_a_plan_counts_amp_native_activations_in_its_dtype():
-    """On meta tensors (a plan) autocast does nothing; amp_native's activation term counts the
-    saved floating-point activations in bf16: half the fp32 bytes (only the token ids stay)."""
+def test_a_plan_counts_amp_native_activations_in_autocasts_dtypes():
+    """On meta tensors (a plan) autocast does nothing; amp_native emulates its casts there
+    (atorch/amp/meta_autocast.py, CUDA's op lists), so what stays fp32 under autocast (the norms,
+    softmax, the loss) is counted at 4 bytes: more than half the fp32 bytes, less than all. The
+    old term counted every byte at bf16's width (0.5 exactly: a 1.1B Llama's bf16 step then
+    measured 1.2x its estimate on an H200)."""
     meta = _amp_ratios("meta")
-    assert meta == (pytest.approx(0.5, abs=0.01), pytest.approx(0.5, abs=0.01))
-    # On real tensors autocast runs in the probe and the term is not applied again: some saved
-    # activations stay fp32 there (norms, softmax, the loss), so the real ratio is a little higher.
+    assert all(0.6 < ratio < 0.9 for ratio in meta), meta
+    # on real tensors the probe runs CPU autocast, whose lists keep fewer ops in fp32
     real = _amp_ratios("cpu")
-    assert all(m < r <= m * 1.25 for m, r in zip(meta, real)), (meta, real)
+    assert all(0.5 < ratio < m for m, ratio in zip(meta, real)), (meta, real)
 
 
 def test_a_cast_weight_keeps_its_address_until_the_count_ends():

@@ -67,7 +67,11 @@ def test_a_plan_on_meta_matches_the_real_probe_and_the_measured_peak(methods):
 def test_7b_activations_per_sequence_are_within_korthikantis_count():
     """Korthikanti et al. 2022 (arXiv 2205.05198), 16-bit activations without recomputation and
     with a fused attention kernel (no s x s term): 34 s b h bytes per layer, 17.0 GiB for Llama-2
-    7B at s = 4096. Llama's gated MLP (11008 wide, 3 matrices) and the logits make it larger."""
+    7B at s = 4096. A Hugging Face Llama under autocast saves more (atorch/amp/meta_autocast.py):
+    its two RMSNorms a layer keep fp32 input and output (16 h bytes a token against 4 h), each of
+    q, k, v, gate and up casts its input to bf16 apart (5 copies of 2 h), the gated MLP is 11008
+    wide with 3 matrices, and the logits and the loss are fp32. 28.4 GiB (1.67x); under the old
+    all-bf16 term it read 1.1x, and a 1.1B Llama's measured H200 peak was 1.2x that term's."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(**json.loads((DOCS / "llama7b.json").read_text()))
@@ -76,7 +80,7 @@ def test_7b_activations_per_sequence_are_within_korthikantis_count():
     seq, hidden, layers = 4096, config.hidden_size, config.num_hidden_layers
     saved = _meta_saved(model, [("amp_native", "bf16")], 1, seq)
     korthikanti = 34 * seq * hidden * layers
-    assert 0.8 <= saved / korthikanti <= 1.3, saved / 2**30
+    assert 1.5 <= saved / korthikanti <= 1.85, saved / 2**30
 
 
 PIPELINE2 = [("parallel_mode", ([("pipeline", 2), ("data", 1)], None)), ("pipeline_parallel", {"num_microbatches": 4})]
