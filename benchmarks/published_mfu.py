@@ -92,9 +92,9 @@ def costed(point, profile):
         with FlashAttentionProbe():
             saved = cost.activation_bytes(model, strategy, {"input_ids": ids, "labels": ids}, "unpack_dict", None, ctx,
                                           counts)
-        flops, ops, _, hooked, _, attention, traffic = cost.scaled_counts(counts, micro)
+        flops, ops, _, hooked, _, attention, traffic, whole = cost.scaled_counts(counts, micro)
         step = cost.build_cost(model, strategy, {"data": gpus}, 2.0, saved * micro, flops, micro * seq, "cuda",
-                               ops, 0.0, (), hooked, (), attention, forward_traffic=traffic)
+                               ops, 0.0, (), hooked, (), attention, forward_traffic=traffic, whole_traffic=whole)
     return step
 
 

@@ -94,6 +94,12 @@ class StepCost:
     # bytes one forward's operators without FLOPs read and write (ops.traffic), on the same batch
     # as forward_flops: at the profile's memory_bandwidth
     forward_traffic: float = 0.0
+    # of it, the bytes that run whole on every tensor rank (norms, residual adds, the loss: outside
+    # the regions tensor parallelism splits; ops.OpCounter.watch_regions), and how many times the
+    # compute share those bytes are (tensor parallelism divides the rest only; sequence
+    # parallelism splits them too)
+    whole_traffic: float = 0.0
+    whole_traffic_factor: float = 1.0
     # memory, bytes per rank (see the module docstring's formula)
     params: float = 0.0
     grads: float = 0.0
@@ -365,7 +371,12 @@ class StepCost:
         bandwidth = getattr(self.profile, "memory_bandwidth", 0.0)
         if not bandwidth:
             return 0.0
-        return self.forward_traffic * self.passes * self.compute_share / bandwidth
+        return self.rank_traffic() * self.passes / bandwidth
+
+    def rank_traffic(self) -> float:
+        """Bytes one forward's operators without FLOPs move on this rank: the probe's, split as the
+        compute is, except those that run whole on every tensor rank (``whole_traffic``)."""
+        return (self.forward_traffic + self.whole_traffic * (self.whole_traffic_factor - 1)) * self.compute_share
 
     def bubble_factor(self) -> float:
         """What a pipeline's bubble makes of a rank's compute: 1 + the bubble, or, on a CPU whose

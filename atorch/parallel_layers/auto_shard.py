@@ -129,6 +129,27 @@ def plan_shards(model: nn.Module, tp: int) -> list[tuple[str, str]]:
     return plan
 
 
+def split_regions(model: nn.Module) -> list[str]:
+    """The modules whose work tensor parallelism splits whole: the parents of :func:`plan_shards`'
+    column and row layers that hold no weight of their own kind besides them (a Llama's attention
+    and MLP; not BERT's output block, whose LayerNorm runs on the whole features). What runs
+    outside them runs whole on every tensor rank (the cost model's element-wise traffic)."""
+    try:
+        plan = plan_shards(model, 1)
+    except Exception:  # noqa: BLE001 - a model tensor parallelism cannot plan has no regions
+        return []
+    split = {name for name, how in plan if how not in ("embedding", "column_gather")}
+    parents = {name.rpartition(".")[0] for name in split}
+    regions = []
+    for parent in sorted(parents):
+        module = model.get_submodule(parent)
+        holders = [f"{parent}.{child}" if parent else child for child, m in module.named_children()
+                   if any(True for _ in m.parameters())]
+        if holders and all(name in split for name in holders):
+            regions.append(parent)
+    return regions
+
+
 _SEQUENCE_PARALLEL_KINDS = {"column", "row", "embedding", "column_gather"}
 
 

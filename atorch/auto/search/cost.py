@@ -282,6 +282,10 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
             batch = ctx.prepare_input(batch, device_ctx.device)
         timeline, forward_end, loss = StepTimeline(probe), 0, None
         watched = [] if on_meta else timeline.watch(probe, _probe_units(probe))
+        if op_counter.count_traffic:  # what of the traffic a tensor-parallel rank moves whole
+            from atorch.parallel_layers.auto_shard import split_regions
+
+            watched += op_counter.watch_regions(ctx.model, split_regions(ctx.model))
         # on meta tensors nothing is allocated and no backward runs: no timeline to keep (its
         # dispatch mode was two thirds of a 70B plan's probe)
         with timeline if not on_meta else contextlib.nullcontext():
@@ -311,7 +315,7 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
         free_copy(probe)
     if counts is not None:
         counts.extend([op_counter.flops, op_counter.count, profile, counter.packed, spans,
-                       op_counter.attention_flops, op_counter.traffic])
+                       op_counter.attention_flops, op_counter.traffic, op_counter.whole_traffic])
     saved = _with_activation_terms(strategy, stages, counter.by_dtype) if on_meta else counter.by_dtype
     return sum(saved.values()), checkpointed
 
@@ -500,7 +504,7 @@ def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, mod
     counted: list = []
     saved, checkpointed = _probe(memo, model, strategy, batch, model_input_format, loss_func, device_ctx,
                                  PROBED_STAGES, counted)
-    flops, ops, (reference, profile), packed, spans, attention, traffic = counted
+    flops, ops, (reference, profile), packed, spans, attention, traffic, whole = counted
     hooked = 0
     if checkpointed:
         plain: list = []
@@ -516,11 +520,11 @@ def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, mod
         # meta tensors the counter saw a selective checkpoint's matmuls twice (a 7B step's 124.8
         # TFLOP where the plain forward does 62.9), so the forward's FLOPs and traffic are the
         # plain forward's too.
-        flops, attention, traffic = plain[0], plain[5], plain[6]
+        flops, attention, traffic, whole = plain[0], plain[5], plain[6], plain[7]
     if profile:
         saved = reference
     if counts is not None:
-        counts.extend([flops, ops, profile, hooked, spans, attention, traffic])
+        counts.extend([flops, ops, profile, hooked, spans, attention, traffic, whole])
     return saved
 
 
@@ -530,18 +534,19 @@ def scaled_counts(counts: list, scale: float) -> list:
     them; the operators a step dispatches and the tensors through checkpoints' hooks do not (one
     kernel takes the whole batch), and the activation profile and the units' spans are shares.
 
-    >>> scaled_counts([10.0, 5, (), 2, (), 4.0, 8.0], 3)
-    [30.0, 5, (), 2, (), 12.0, 24.0]
+    >>> scaled_counts([10.0, 5, (), 2, (), 4.0, 8.0, 2.0], 3)
+    [30.0, 5, (), 2, (), 12.0, 24.0, 6.0]
     """
-    flops, ops, profile, hooked, spans, attention, traffic = counts
-    return [flops * scale, ops, profile, hooked, spans, attention * scale, traffic * scale]
+    flops, ops, profile, hooked, spans, attention, traffic, whole = counts
+    return [flops * scale, ops, profile, hooked, spans, attention * scale, traffic * scale, whole * scale]
 
 
 def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int], state_factor: float,
                activations: int, forward_flops: float = 0.0, tokens: int = 0, device_type: str = "cpu",
                forward_ops: float = 0.0, optim_seconds_per_byte: float = 0.0,
                activation_profile: tuple = (), checkpointed_saves: float = 0.0, unit_spans: tuple = (),
-               attention_flops: float = 0.0, accumulation: int = 1, forward_traffic: float = 0.0) -> StepCost:
+               attention_flops: float = 0.0, accumulation: int = 1, forward_traffic: float = 0.0,
+               whole_traffic: float = 0.0) -> StepCost:
     """The candidate's :class:`StepCost`: the whole model's terms, then each method's ``cost_term``
     (``accumulation``: see StepCost.accumulation), in the order the methods are applied whatever
     the list's order: a term reads what the earlier ones set (expert_parallel's ``held_apart``
@@ -567,6 +572,7 @@ def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int],
     cost.unit_spans = tuple(unit_spans)
     cost.attention_flops = attention_flops
     cost.forward_traffic = forward_traffic
+    cost.whole_traffic = min(whole_traffic, forward_traffic)
     cost.charge("step")  # the training step's own host overhead (StepCost.overheads)
     configs = dict(strategy.items())
     for name in applied_order(configs):

@@ -9,6 +9,7 @@ a 4-block Llama (a search probes every method combination). The totals are the s
 (tests/auto/search/test_ops.py)."""
 
 import functools
+from collections.abc import Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -56,8 +57,34 @@ class OpCounter(TorchDispatchMode):
         self.flops = 0
         self.attention_flops = 0
         self.traffic = 0
+        # of ``traffic``, the bytes a tensor-parallel rank moves whole (see :meth:`watch_regions`)
+        self.whole_traffic = 0
         self.weights = set() if weights is None else weights
         self._formulas, self._attention = _formulas()
+        self._watching, self._inside, self._region_inputs = False, 0, set()
+
+    def watch_regions(self, model: torch.nn.Module, names: Iterable[str]) -> list:
+        """Tell apart the traffic tensor parallelism splits from the traffic it leaves whole:
+        ``names`` are the modules whose Linears it splits (attention, the MLP). What runs inside
+        them works on split heads or features, except the casts of their input, which every rank
+        makes of its whole copy; what runs outside (norms, residual adds, the embedding's output,
+        the loss over gathered logits) runs whole on every tensor rank. Returns the hooks' handles."""
+        self._watching = True
+        handles = []
+        for name in names:
+            module = model.get_submodule(name)
+            handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
+            handles.append(module.register_forward_hook(self._leave, with_kwargs=True))
+        return handles
+
+    def _enter(self, _module, args, kwargs) -> None:
+        self._inside += 1
+        self._region_inputs |= {_key(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
+
+    def _leave(self, _module, _args, _kwargs, _out) -> None:
+        self._inside -= 1
+        if not self._inside:
+            self._region_inputs = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -71,7 +98,11 @@ class OpCounter(TorchDispatchMode):
             if op in self._attention:
                 self.attention_flops += flops
         elif self.count_traffic:
-            self.traffic += traffic(func, (args, kwargs), out, self.weights)
+            moved = traffic(func, (args, kwargs), out, self.weights)
+            self.traffic += moved
+            if self._watching and (not self._inside or (op is torch.ops.aten._to_copy and args
+                                                         and _key(args[0]) in self._region_inputs)):
+                self.whole_traffic += moved
         return out
 
 
