@@ -98,6 +98,46 @@ def costed(point, profile):
     return step
 
 
+# torchtitan's Llama 3.1 8B on 8 H100s (pytorch/torchtitan docs/performance.md; arXiv 2410.06511):
+# FSDP, selective activation checkpointing, bf16, local batch 1 x 8192, eager: 5,762 tokens/s a GPU,
+# on H100s of the 96 GB HBM2e, 500 W kind (the profile is the 700 W SXM's): set beside, not a check.
+TORCHTITAN_8B = {"run": "torchtitan Llama 3.1 8B, selective AC", "seq": 8192, "gpus": 8, "published_tps": 5762}
+
+
+def torchtitan_row(profile) -> dict:
+    """torchtitan's Llama 3.1 8B run costed as ``atorch plan`` costs it (FSDP, amp, selective
+    checkpointing): estimated tokens/s a GPU beside the published."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from atorch.auto.environment import DeviceContext
+    from atorch.auto.plan import resolve_strategy
+    from atorch.auto.search import cost
+    from atorch.auto.search.attention import FlashAttentionProbe
+    from atorch.auto.strategy import Strategy
+    from atorch.utils.log import quiet
+
+    run = TORCHTITAN_8B
+    config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=run["seq"])
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    methods = ["parallel_mode", ("amp_native", "bf16"), ("checkpoint", {"selective": True}), "fsdp"]
+    ctx = DeviceContext(run["gpus"], run["gpus"], torch.device("cpu"), None, profile.memory)
+    ids = torch.zeros(1, run["seq"], dtype=torch.long, device="meta")
+    with quiet():
+        strategy = resolve_strategy(model, Strategy(methods))
+        counts: list = []
+        with FlashAttentionProbe():
+            saved = cost.activation_bytes(model, strategy, {"input_ids": ids, "labels": ids}, "unpack_dict", None, ctx,
+                                          counts)
+        flops, ops, _, hooked, _, attention, traffic, whole = cost.scaled_counts(counts, 1)
+        step = cost.build_cost(model, strategy, {"data": run["gpus"]}, 2.0, saved, flops, run["seq"], "cuda", ops,
+                               0.0, (), hooked, (), attention, forward_traffic=traffic, whole_traffic=whole)
+    step.profile = profile
+    estimated = run["seq"] / step.seconds()
+    return {**run, "estimated_tps": estimated, "ratio": estimated / run["published_tps"]}
+
+
 def mfu_row(point, seconds: float) -> dict:
     """The point's estimated MFU, under llm-foundry's convention, for a step of ``seconds``."""
     size, seq, gpus, micro, checkpoint, published, params = point
@@ -131,7 +171,14 @@ def main(argv: list[str] | None = None) -> str:
     markdown = (f"Estimated (profile {profile.name}, estimated) against measured ({SOURCE}); worst error "
                 f"{worst['fit']:.0%} on the runs the profile was fitted to, {worst['held out']:.0%} on those held out."
                 "\n\n" + table)
-    harness.write(args.out, {"profile": profile.name, "source": SOURCE, "rows": rows, "worst_error": worst}, markdown)
+    titan = None if args.tiny else torchtitan_row(profile)
+    if titan is not None:
+        markdown += (f"\n\nBeside another publisher's run, on other H100s (500 W, not the profile's 700 W SXM): "
+                     f"{titan['run']}, {titan['gpus']} GPUs x {titan['seq']} tokens, FSDP: estimated "
+                     f"{titan['estimated_tps']:,.0f} tokens/s a GPU, published {titan['published_tps']:,} "
+                     f"(estimated / published {titan['ratio']:.2f}).")
+    harness.write(args.out, {"profile": profile.name, "source": SOURCE, "rows": rows, "worst_error": worst,
+                             "torchtitan": titan}, markdown)
     print(markdown)
     return markdown
 
