@@ -161,6 +161,11 @@ class StepCost:
     # work around it
     sync_in_hooks: bool = False
     bubble: float = 0.0  # idle time of a pipeline schedule, as a fraction of the compute
+    microbatches: int = 1  # a pipeline's microbatches a step (each runs the rank's layers once)
+    # expert_parallel's load imbalance, ``(the experts' forward FLOPs a step, (token, choice) pairs
+    # a step, expert group size)``: the busiest rank's excess is worked out per micro-batch, once
+    # accumulation and microbatches are known (:meth:`imbalance_flops`)
+    expert_imbalance: tuple | None = None
     # gradient accumulation: micro-batches per optimizer step (``auto_accelerate``'s
     # gradient_accumulation_steps). ``activations`` are one micro-batch's, ``forward_flops`` and
     # ``tokens`` the whole step's; each micro-batch dispatches the forward's operators and the
@@ -309,8 +314,8 @@ class StepCost:
         else:
             rate, attention_rate = self.profile.rate(self.compute_dtype), self.profile.attention_rate(self.compute_dtype)
         attention = min(self.attention_flops, self.forward_flops)
-        compute = ((self.forward_flops - attention) / rate + attention / attention_rate) * self.passes \
-            * self.compute_share
+        flops = self.forward_flops + self.imbalance_flops()
+        compute = ((flops - attention) / rate + attention / attention_rate) * self.passes * self.compute_share
         compute += self.traffic_seconds()
         # each operator's kernel costs the device a fixed time beyond its FLOPs (profile's kernel_seconds)
         op_passes = self.passes + self.recomputed_op_share
@@ -363,6 +368,17 @@ class StepCost:
         if self.compute_dtype == "half" and self.half_speedup is not None:
             return rates["fp32"] * self.half_speedup
         return rates[self.compute_dtype]
+
+    def imbalance_flops(self) -> float:
+        """The FLOPs expert_parallel's busiest rank adds to a step's forward: the experts' FLOPs x
+        its expected excess over the mean for one micro-batch's (token, choice) pairs (under
+        gradient accumulation and in pipeline microbatches each layer waits per micro-batch)."""
+        if self.expert_imbalance is None:
+            return 0.0
+        from atorch.auto.load_imbalance import busiest_excess
+
+        experts_flops, pairs, size = self.expert_imbalance
+        return experts_flops * busiest_excess(pairs / max(self.accumulation * self.microbatches, 1), size)
 
     def traffic_seconds(self) -> float:
         """Seconds the operators without FLOPs take at the profile's ``memory_bandwidth`` (0 without

@@ -19,7 +19,6 @@ mixed_parallel) over the data ranks of each stage.
 """
 
 import math
-from statistics import NormalDist
 
 import torch
 import torch.distributed as dist
@@ -27,6 +26,7 @@ from pydantic import Field
 
 from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
+from atorch.auto.load_imbalance import busiest_excess  # noqa: F401 - its name here too (docs, tests)
 from atorch.auto.method_spec import MethodSpec, Stage, register_method
 from atorch.errors import MethodConfigError, WorldSizeError
 from atorch.utils.log import logger
@@ -241,7 +241,7 @@ def cost_term(config: ExpertParallelConfig, cost) -> None:
     data ranks average each slice's gradients over its copies once a step (a ring all-reduce of
     the rank's experts), or under fsdp shard it over them (:func:`_copies_sync`). Load
     imbalance: the experts' FLOPs grow by the busiest rank's expected excess under random routing
-    (:func:`busiest_excess`)."""
+    (:func:`busiest_excess`, per micro-batch: ``StepCost.imbalance_flops``)."""
     from atorch.auto.step_cost import Comm
     from atorch.parallel_layers.experts import routed_experts
 
@@ -268,26 +268,11 @@ def cost_term(config: ExpertParallelConfig, cost) -> None:
     width = 0.5 if fsdp2 and "amp_native" in cost.methods and cost.compute_dtype != "half" else 1.0
     cost.comms.append(Comm("data", 4 * blocks * cost.tokens * choices * hidden * leaving * width, 6 * blocks,
                            kind="send_recv", method="expert_parallel"))
-    pairs = cost.tokens / max(cost.accumulation, 1) * choices  # a micro-batch's (token, choice) pairs
-    cost.forward_flops += blocks * cost.tokens * choices * _pair_flops(found) * busiest_excess(pairs, size)
+    # the busiest rank's excess, per micro-batch once accumulation and microbatches are known
+    cost.expert_imbalance = (blocks * cost.tokens * choices * _pair_flops(found), cost.tokens * choices, size)
     copies = cost.dp_size // size
     if copies > 1:
         _copies_sync(cost, found, routed, size, copies, fsdp2)
-
-
-def busiest_excess(pairs: float, size: int) -> float:
-    """How much more than the mean the busiest rank of an expert group computes, as a share of
-    the mean, when each of ``pairs`` (token, choice) pairs a rank sends picks its expert at random
-    (uniform routing): a rank receives ``pairs`` on average with a variance of ``pairs x (1 -
-    1/size)``, and the largest of ``size`` such loads lies Blom's ``inv_cdf((size - 0.375) /
-    (size + 0.25))`` standard deviations above the mean (the expected largest of ``size`` normal
-    draws: 1.05 for 4, 1.43 for 8, 2.42 for 64). Each layer waits for that rank (the all-to-all
-    back). A trained router's skew beyond chance is not modelled (its auxiliary loss keeps it
-    small)."""
-    if size < 2 or pairs <= 0:
-        return 0.0
-    deviations = NormalDist().inv_cdf((size - 0.375) / (size + 0.25))
-    return deviations * math.sqrt((1 - 1 / size) / pairs)
 
 
 def _pair_flops(found: dict) -> float:

@@ -312,6 +312,7 @@ def pipeline_terms(cost, config: PipelineFields, stages: int) -> None:
     cost.compute_share *= share
     cost.op_share *= share * m  # each microbatch runs the rank's layers: m times their operators
     cost.bubble += (stages - 1) / (m * v)
+    cost.microbatches = m
     width = _boundary_width(cost.model, ranges[0])
     # Per microbatch, each of a rank's stages receives its input and sends its output forward, and
     # the gradients back: 4 sends and receives, 2 at the pipeline's first and last stage. The

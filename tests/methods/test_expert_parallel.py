@@ -298,11 +298,17 @@ def test_the_load_imbalance_term_is_the_busiest_ranks_excess_the_dispatch_makes(
     with torch.device("meta"):
         model = tiny_moe("mixtral")
     tokens = 8 // 2 * SEQ
-    flops = {name: build_cost(model, resolve_strategy(model, Strategy(methods)), {"data": 2}, 2.0, 0, 1e9,
-                              tokens).forward_flops
-             for name, methods in (("plain", ["parallel_mode"]), ("experts", ["parallel_mode", "expert_parallel"]))}
+    costs = {name: build_cost(model, resolve_strategy(model, Strategy(methods)), {"data": 2}, 2.0, 0, 1e9, tokens)
+             for name, methods in (("plain", ["parallel_mode"]), ("experts", ["parallel_mode", "expert_parallel"]),
+                                   ("accumulated", ["parallel_mode", ("gradient_accumulation", {"steps": 2}),
+                                                    "expert_parallel"]))}
     extra = 2 * tokens * 2 * (2 * 3 * 32 * 64) * busiest_excess(tokens * 2, 2)
-    assert flops["experts"] - flops["plain"] == pytest.approx(extra) and extra > 0
+    assert costs["experts"].imbalance_flops() == pytest.approx(extra) and extra > 0
+    assert costs["plain"].imbalance_flops() == 0
+    # each micro-batch waits for its own busiest rank: half the pairs, sqrt(2) the excess (the
+    # term had taken the step's pairs whatever the accumulation, which its term sets after)
+    half = 2 * tokens * 2 * (2 * 3 * 32 * 64) * busiest_excess(tokens, 2)
+    assert costs["accumulated"].imbalance_flops() == pytest.approx(half) and half > extra
 
 
 COPIES = ["parallel_mode", "fsdp", ("expert_parallel", {"size": 2})]
