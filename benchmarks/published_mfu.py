@@ -74,6 +74,14 @@ def estimated_mfu(point, profile) -> dict:
 def costed(point, profile):
     """The point's one-microbatch step as the cost model builds it (its ``profile`` still to set:
     benchmarks/fit_h100_profile.py prices the same steps at many)."""
+    size, seq, gpus, micro, checkpoint, published, params = point
+    methods = ["parallel_mode", ("amp_native", "bf16"), *(["checkpoint"] if checkpoint else []), "fsdp"]
+    return fsdp_step(mpt_as_llama(size, seq), methods, seq, gpus, micro, profile)
+
+
+def fsdp_step(model, methods: list, seq: int, gpus: int, micro: int, profile):
+    """``methods`` on ``gpus`` data ranks, ``micro`` sequences of ``seq`` a rank, as ``atorch plan``
+    costs it: the model probed on meta with flash attention's saved tensors."""
     from atorch.auto.environment import DeviceContext
     from atorch.auto.plan import resolve_strategy
     from atorch.auto.search import cost
@@ -81,9 +89,6 @@ def costed(point, profile):
     from atorch.auto.strategy import Strategy
     from atorch.utils.log import quiet
 
-    size, seq, gpus, micro, checkpoint, published, params = point
-    model = mpt_as_llama(size, seq)
-    methods = ["parallel_mode", ("amp_native", "bf16"), *(["checkpoint"] if checkpoint else []), "fsdp"]
     ctx = DeviceContext(gpus, min(gpus, profile.gpus_per_node), torch.device("cpu"), None, profile.memory)
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     with quiet():
@@ -93,9 +98,8 @@ def costed(point, profile):
             saved = cost.activation_bytes(model, strategy, {"input_ids": ids, "labels": ids}, "unpack_dict", None, ctx,
                                           counts)
         flops, ops, _, hooked, _, attention, traffic, whole = cost.scaled_counts(counts, micro)
-        step = cost.build_cost(model, strategy, {"data": gpus}, 2.0, saved * micro, flops, micro * seq, "cuda",
+        return cost.build_cost(model, strategy, {"data": gpus}, 2.0, saved * micro, flops, micro * seq, "cuda",
                                ops, 0.0, (), hooked, (), attention, forward_traffic=traffic, whole_traffic=whole)
-    return step
 
 
 # torchtitan's Llama 3.1 8B on 8 H100s (pytorch/torchtitan docs/performance.md; arXiv 2410.06511):
@@ -109,30 +113,13 @@ def torchtitan_row(profile) -> dict:
     checkpointing): estimated tokens/s a GPU beside the published."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from atorch.auto.environment import DeviceContext
-    from atorch.auto.plan import resolve_strategy
-    from atorch.auto.search import cost
-    from atorch.auto.search.attention import FlashAttentionProbe
-    from atorch.auto.strategy import Strategy
-    from atorch.utils.log import quiet
-
     run = TORCHTITAN_8B
     config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=run["seq"])
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     methods = ["parallel_mode", ("amp_native", "bf16"), ("checkpoint", {"selective": True}), "fsdp"]
-    ctx = DeviceContext(run["gpus"], run["gpus"], torch.device("cpu"), None, profile.memory)
-    ids = torch.zeros(1, run["seq"], dtype=torch.long, device="meta")
-    with quiet():
-        strategy = resolve_strategy(model, Strategy(methods))
-        counts: list = []
-        with FlashAttentionProbe():
-            saved = cost.activation_bytes(model, strategy, {"input_ids": ids, "labels": ids}, "unpack_dict", None, ctx,
-                                          counts)
-        flops, ops, _, hooked, _, attention, traffic, whole = cost.scaled_counts(counts, 1)
-        step = cost.build_cost(model, strategy, {"data": run["gpus"]}, 2.0, saved, flops, run["seq"], "cuda", ops,
-                               0.0, (), hooked, (), attention, forward_traffic=traffic, whole_traffic=whole)
+    step = fsdp_step(model, methods, run["seq"], run["gpus"], 1, profile)
     step.profile = profile
     estimated = run["seq"] / step.seconds()
     return {**run, "estimated_tps": estimated, "ratio": estimated / run["published_tps"]}
