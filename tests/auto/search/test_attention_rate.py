@@ -34,7 +34,7 @@ def _counts(model, batch, input_format="unpack_dict") -> list:
 
 def test_the_probe_counts_the_forwards_flops_in_attention():
     model, batch = _llama()
-    flops, *_, attention, _traffic = _counts(model, batch)
+    flops, *_, attention, _traffic, _whole = _counts(model, batch)
     # causal attention over 2 x 16 tokens, 2 heads of 16: q @ k^T and p @ v, 2 FLOPs per multiply-add
     layers, heads, seq, head = model.config.num_hidden_layers, 2, 16, 16
     assert attention == pytest.approx(layers * 2 * (2 * 2 * heads * seq * seq * head))
@@ -45,7 +45,7 @@ def test_the_probe_counts_the_forwards_flops_in_attention():
 
 def test_the_step_estimate_charges_attention_at_its_own_rate(tmp_path):
     model, batch = _llama()
-    flops, _, profile, hooked, spans, attention, _traffic = _counts(model, batch)
+    flops, _, profile, hooked, spans, attention, _traffic, _whole = _counts(model, batch)
     h100 = dataclasses.replace(load_profile("h100_80gb"), attention_flops={})  # attention at the matmul rate
     slow = dataclasses.replace(h100, attention_flops={"fp32": h100.rate("fp32") / 10, "bf16": h100.rate("half") / 10})
 
