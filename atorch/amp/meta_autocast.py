@@ -58,7 +58,7 @@ class MetaAutocast(TorchFunctionMode):
         super().__init__()
         self.dtype, self.on_weight_cast = dtype, on_weight_cast
         self.low, self.full = RULES[device_type]
-        self._cache: dict[int, torch.Tensor] = {}  # id(parameter) -> its cast, for this forward
+        self._cache: dict[tuple, torch.Tensor] = {}  # (id(parameter), dtype) -> its cast, for this forward
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
