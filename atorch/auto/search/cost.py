@@ -155,6 +155,7 @@ class _SavedBytes:
         self._seen: set = set()
         self.packed = 0  # tensors saved (parameters and repeats included): what a checkpoint's hooks would see
         self._kept: list[torch.Tensor] = []  # what selective checkpointing keeps (see kept)
+        self._casts: list[torch.Tensor] = []  # weight casts reported by meta_autocast (see weight_cast)
 
     def pack(self, tensor: torch.Tensor):
         self.packed += 1
@@ -178,6 +179,13 @@ class _SavedBytes:
                 # address could come back for a later output, which would then count as seen
                 self._kept.append(self.pack(tensor))
                 self.packed = packed  # not a tensor through the hooks
+
+    def weight_cast(self, _weight: torch.Tensor, cast: torch.Tensor) -> None:
+        """Count ``cast`` (amp_native's emulated autocast's copy of a weight, on meta tensors) as
+        a weight, and hold it while counting: freed, its storage address could come back for an
+        activation, which would then go uncounted (as :class:`_WeightCasts` holds autocast's)."""
+        self.weights.add(_storage_key(cast))
+        self._casts.append(cast)
 
     def casts(self) -> "_WeightCasts":
         """A dispatch mode that adds each cast of a weight to the weights."""
@@ -325,13 +333,10 @@ def _count_weight_casts_as_weights(probe: torch.nn.Module, counter: "_SavedBytes
     cast of a weight, as :meth:`_SavedBytes.casts` does of autocast's on a real device."""
     from atorch.amp.meta_autocast import MetaAutocastForward
 
-    def add(_weight: torch.Tensor, cast: torch.Tensor) -> None:
-        counter.weights.add(_storage_key(cast))
-
     for module in probe.modules():
         forward = module.__dict__.get("forward")
         if isinstance(forward, MetaAutocastForward):
-            forward.on_weight_cast = add
+            forward.on_weight_cast = counter.weight_cast
 
 
 def _apply_probed(ctx, strategy: Strategy, stages) -> None:

@@ -13,12 +13,12 @@ import torch
 
 from atorch.amp.meta_autocast import MetaAutocast
 from atorch.auto.search.attention import FlashAttentionProbe
-from atorch.auto.search.cost import _SavedBytes, _storage_key
+from atorch.auto.search.cost import _SavedBytes
 
 
 def _saved_by_dtype(model, batch: dict, meta: bool, flash: bool) -> dict:
     counter = _SavedBytes([*model.parameters(), *model.buffers()])
-    casts = MetaAutocast(torch.bfloat16, lambda _w, cast: counter.weights.add(_storage_key(cast)), "cpu")
+    casts = MetaAutocast(torch.bfloat16, counter.weight_cast, "cpu")
     autocast = casts if meta else torch.autocast("cpu", dtype=torch.bfloat16)
     attention = FlashAttentionProbe() if meta and flash else contextlib.nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), counter.casts(), attention:
@@ -61,3 +61,18 @@ def test_a_weights_casts_are_weights_and_cached_for_the_forward():
         loss = torch.nn.functional.cross_entropy(a + b, torch.zeros(2, dtype=torch.long, device="meta"))
     assert a.dtype == b.dtype == torch.bfloat16 and loss.dtype == torch.float32
     assert len(seen) == 1 and seen[0][0] is weight and seen[0][1].dtype == torch.bfloat16
+
+
+def test_a_weights_cast_on_meta_keeps_its_address_while_the_probe_counts():
+    """The emulated casts live for one forward; the counter holds them until the probe ends, as it
+    does autocast's on a real device: a freed cast's storage address could come back for a later
+    activation, which would then count as a weight (two ranks' probes disagreed that way)."""
+    from atorch.auto.search.cost import _storage_key
+
+    weight = torch.nn.Parameter(torch.randn(8, 8, device="meta"))
+    counter = _SavedBytes([weight])
+    with MetaAutocast(torch.bfloat16, counter.weight_cast):
+        torch.nn.functional.linear(torch.randn(2, 8, device="meta"), weight)
+    fresh = [torch.ones(8, 8, device="meta") for _ in range(200)]
+    assert len(counter.weights) == 2
+    assert not {_storage_key(t) for t in fresh} & counter.weights
