@@ -67,6 +67,12 @@ def mark_slice(param: nn.Parameter, owner: nn.Module, group, replicas, hooks: bo
 
 def _average(param: nn.Parameter, owner: nn.Module, replicas) -> None:
     if owner._atorch_expert_sync:
+        average_over_copies(param, replicas)
+
+
+def average_over_copies(param: nn.Parameter, replicas) -> None:
+    """``param``'s gradient averaged over ``replicas``, the ranks that hold the same slice."""
+    if replicas is not None and dist.get_world_size(replicas) > 1:
         dist.all_reduce(param.grad, group=replicas)
         param.grad.div_(dist.get_world_size(replicas))
 

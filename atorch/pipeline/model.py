@@ -20,12 +20,14 @@ from atorch.distributed.topology import Topology
 from atorch.errors import MethodConfigError, NotSupportedError, WorldSizeError
 from atorch.loss.contract import STEP_TOTALS, batch_samples, count_of, samples_of, weighed_part, with_count
 from atorch.loss.counting import rule_for
+from atorch.parallel_layers.expert_dispatch import average_over_copies
 from atorch.pipeline import failure
 from atorch.pipeline.failure import PipelineStepError
 from atorch.pipeline.layouts import layout_for
 from atorch.pipeline.loss import pick_loss, reduce_losses, split_batch
 from atorch.pipeline.partition import balanced_ranges, ranges_from_cuts
 from atorch.pipeline.schedules import build_schedule, check_schedule, deallocate_after_send, local_stage_indices
+from atorch.sharding.fsdp2 import held_per_rank
 
 
 class PipelineModel(nn.Module):
@@ -410,8 +412,8 @@ class PipelineModel(nn.Module):
         for param in self.local_parameters():
             if param.grad is None:
                 continue
-            if getattr(param, "expert_parallel", False):
-                _average_over_copies(param)
+            if held_per_rank(param):
+                average_over_copies(param, getattr(param, "replica_group", None))
                 param.grad.mul_(factor * size)
                 continue
             if size > 1:
@@ -447,13 +449,6 @@ def _copies_unsynced(modules):
             owner._atorch_expert_sync = True
 
 
-def _average_over_copies(param: torch.Tensor) -> None:
-    replicas = getattr(param, "replica_group", None)
-    if replicas is not None and dist.get_world_size(replicas) > 1:
-        dist.all_reduce(param.grad, group=replicas)
-        param.grad.div_(dist.get_world_size(replicas))
-
-
 def _tied_parameters(module: nn.Module, stage_units: list[list[str]]) -> list[list[tuple[int, str]]]:
     """Parameters shared by units of different stages: for each, its ``(stage, name)`` users."""
     users: dict[int, list[tuple[int, str]]] = {}
@@ -483,7 +478,7 @@ def _mark_shards(params, topology: Topology) -> None:
         names = sorted(("pipeline", "tensor"), key=topology.mesh.mesh_dim_names.index)
         pipeline_tensor = topology.submesh(*names)._flatten("pipeline_tensor").get_group()
     for param in params:
-        if getattr(param, "expert_parallel", False):
+        if held_per_rank(param):
             # other experts on each rank of its expert group (all in this stage), other layers on
             # each stage: summed over the expert group first, then with the stage's other weights
             param.presum_group, param.shard_group = param.shard_group, topology.group("pipeline")

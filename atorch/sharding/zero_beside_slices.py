@@ -15,15 +15,10 @@ the user's param groups, their hyperparameters and an LR scheduler's changes wor
 cannot hold the other ranks' experts' state; ``atorch.checkpoint`` saves and loads it.
 """
 
-import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from atorch.errors import NotSupportedError
-
-
-def is_slice(param: torch.Tensor) -> bool:
-    """A parameter expert_parallel cut to this rank's experts."""
-    return bool(getattr(param, "expert_parallel", False))
+from atorch.sharding.fsdp2 import held_per_rank as is_slice  # expert_parallel's slice of this rank's experts
 
 
 class ZeroBesideSlices(ZeroRedundancyOptimizer):
