@@ -26,7 +26,6 @@ from pydantic import Field
 
 from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
-from atorch.auto.load_imbalance import busiest_excess  # noqa: F401 - its name here too (docs, tests)
 from atorch.auto.method_spec import MethodSpec, Stage, register_method
 from atorch.errors import MethodConfigError, WorldSizeError
 from atorch.utils.log import logger
@@ -241,7 +240,7 @@ def cost_term(config: ExpertParallelConfig, cost) -> None:
     data ranks average each slice's gradients over its copies once a step (a ring all-reduce of
     the rank's experts), or under fsdp shard it over them (:func:`_copies_sync`). Load
     imbalance: the experts' FLOPs grow by the busiest rank's expected excess under random routing
-    (:func:`busiest_excess`, per micro-batch: ``StepCost.imbalance_flops``)."""
+    (``atorch.auto.load_imbalance.busiest_excess``, per micro-batch: ``StepCost.imbalance_flops``)."""
     from atorch.auto.step_cost import Comm
     from atorch.parallel_layers.experts import routed_experts
 

@@ -283,7 +283,7 @@ def test_the_load_imbalance_term_is_the_busiest_ranks_excess_the_dispatch_makes(
     """200 random routings of 64 tokens (128 pairs a rank) on 4 ranks: the busiest rank computes
     on average the term's excess over the mean (within 15%; 0.129 predicted). The term adds that
     share of the experts' FLOPs to the step."""
-    from atorch.methods.expert_parallel import busiest_excess
+    from atorch.auto.load_imbalance import busiest_excess
 
     measured = run_distributed(_busiest, 4, 200, 64)[0]
     mean = sum(measured) / len(measured)
