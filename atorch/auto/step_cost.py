@@ -21,6 +21,11 @@ from atorch.utils.memo import once
 _FLOPS = {"cuda": {"fp32": 4e13, "half": 3e14}, "cpu": {"fp32": 5e10, "half": 2.5e10}}
 _BANDWIDTH = {"cuda": 5e10, "cpu": 1e9}
 _LATENCY = {"cuda": 2e-5, "cpu": 1e-4}
+# A fused optimizer step (fused_optimizer) the cost model could not time on the device (planning
+# with no hardware, an optimizer it cannot step alone), as a share of the default step's time:
+# on this project's CPU (AMD EPYC, torch 2.13, 2026-11-28) fused AdamW took 0.18-0.34 of foreach's
+# and 0.29-0.41 of the for-loop's (torch's CPU default) time over 50 K - 20 M parameters.
+NOMINAL_FUSED_SHARE = 0.4
 
 
 
@@ -89,6 +94,10 @@ class StepCost:
     # the trainable bytes this rank's optimizer steps (a sharding method divides them)
     optim_seconds_per_byte: float = 0.0
     stepped: float = 0.0
+    # the optimizer's step as a method chose it ("fused": fused_optimizer), and the fused step's
+    # seconds per byte timed on this device (0: not timed; then NOMINAL_FUSED_SHARE of the default's)
+    optim_impl: str = ""
+    fused_optim_seconds_per_byte: float = 0.0
     # of forward_flops, those in attention kernels (they run at the profile's attention rate)
     attention_flops: float = 0.0
     # bytes one forward's operators without FLOPs read and write (ops.traffic), on the same batch
@@ -358,8 +367,14 @@ class StepCost:
             if self.size(c.dim) > 1:
                 bandwidth, latency = self._link((c.dim,), c.kind)
                 comm += c.elements * element * c.factor / bandwidth + c.messages * self.accumulation * latency
-        return compute * self.bubble_factor() + comm + self.stepped * self.optim_seconds_per_byte + (0.0 if on_device
+        return compute * self.bubble_factor() + comm + self.stepped * self.optimizer_rate() + (0.0 if on_device
                                                                                                  else host)
+
+    def optimizer_rate(self) -> float:
+        """Seconds the optimizer's step takes per byte it updates, as the methods chose the step."""
+        if self.optim_impl != "fused":
+            return self.optim_seconds_per_byte
+        return self.fused_optim_seconds_per_byte or self.optim_seconds_per_byte * NOMINAL_FUSED_SHARE
 
     def nominal_rate(self) -> float:
         """FLOP/s of the compute dtype without a profile: the nominal rate, or under ``half`` the

@@ -11,6 +11,7 @@ from atorch.methods import (  # noqa: F401
     expert_parallel,
     fp8,
     fsdp,
+    fused_optimizer,
     genomic_bottleneck,
     gradient_accumulation,
     half,

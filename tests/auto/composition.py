@@ -33,6 +33,8 @@ VARIANTS = {
     "gradient_accumulation": ("gradient_accumulation", {"steps": 2}),
     # aot_eager: dynamo's capture and AOT autograd, without inductor's minutes of C++ compiling.
     "native_dynamo": ("native_dynamo", {"backend": "aot_eager"}),
+    # the optimizer's fused step: the same update in other kernels, against the unfused serial AdamW
+    "fused_optimizer": ("fused_optimizer", {}),
     "zero1": ("zero1", {}),
     "zero1_ds": ("zero1", {"use_ds_zero": True}),
     "zero2": ("zero2", {}),

@@ -151,6 +151,7 @@ DEFAULT_PAIRS = [
     ("fsdp", "amp_native"), ("pipeline_parallel", "checkpoint"),
     ("checkpoint_selective", "tensor_parallel"), ("gradient_accumulation", "fsdp"),
     ("amp_native", "expert_parallel"), ("expert_parallel", "fsdp"),  # on the tiny Mixtral
+    ("fused_optimizer", "zero1"),  # ZeRO builds its own optimizer: it must get the fused step too
 ]
 
 

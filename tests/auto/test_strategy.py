@@ -17,6 +17,7 @@ ATORCH_FORMS = {
     "half": "bf16",
     "checkpoint": (Block,),
     "native_dynamo": {"backend": "aot_eager", "fullgraph": True},
+    "fused_optimizer": {"impl": "foreach"},
     "zero1": {"use_ds_zero": True},
     "tensor_parallel": {"algorithm": "megatron"},
     "sequence_parallel": {},

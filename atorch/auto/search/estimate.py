@@ -191,6 +191,8 @@ class Rates:
     optim_rate: float
     profile: Any = None
     half_speedup: float | None = None
+    # the optimizer's fused step (fused_optimizer), seconds per byte timed here; 0: not timed
+    fused_optim_rate: float = 0.0
 
 
 def ineligible_rows(layouts) -> list[tuple[Strategy, CandidateResult]]:
@@ -213,6 +215,13 @@ def estimate_all(run: SearchRun, candidates: list[Strategy], prober: Prober, rat
         if result is None:
             result, late = _estimated(run, strategy, dims, text, prober, rates)
         run.results.append((strategy, result))
+
+
+def estimate_one(run: SearchRun, strategy: Strategy, prober: Prober, rates: Rates) -> CandidateResult:
+    """One more candidate's record with its estimate, after the others' (refine.py's trials)."""
+    dims = layout_dims(strategy, run.device_ctx.world_size)
+    prober.share([strategy])
+    return _estimated(run, strategy, dims, layout_text(dims.items(), layout_config(strategy)), prober, rates)[0]
 
 
 def _decided_unestimated(run: SearchRun, strategy: Strategy, text: str, late: bool,
@@ -244,6 +253,7 @@ def _estimated(run: SearchRun, strategy: Strategy, dims: dict, text: str, prober
                                       run.device_ctx.device.type, rates.optim_rate)
     if estimate is not None:
         estimate.profile, estimate.half_speedup = rates.profile, rates.half_speedup
+        estimate.fused_optim_seconds_per_byte = rates.fused_optim_rate
     memory = None if estimate is None else estimate.memory()
     # Decisions use agreed values only, so every rank prunes and runs the same candidates: rank
     # 0's reason and whether its clock is past the time limit, the largest peak and step time
