@@ -74,7 +74,7 @@ _KNOWN_KWARGS = {
     "verbose", "find_unused_parameters", "sampler_seed", "ignore_dryrun_on_load_strategy",
     # the search (docs/search.md)
     "memory_budget", "time_limit", "report_file", "max_dryruns", "dryrun_warmup_steps", "dryrun_steps",
-    "dryrun_timeout", "use_search_cache", "search_cache_dir", "search_only",
+    "dryrun_timeout", "planned_steps", "use_search_cache", "search_cache_dir", "search_only",
     "gradient_accumulation_steps", "loss_normalization",
 }
 
@@ -151,7 +151,7 @@ def auto_accelerate(
     strategy, notes = plan_strategy(requested, device_ctx, *chosen, job=fit_job)
     strategy = resolve_strategy(model, strategy, notes)
     log_notes(notes)
-    check_included(model, strategy, list(included or []), device_ctx, fit_job)
+    check_included(model, strategy, list(included or []), device_ctx, fit_job, notes)
     if kwargs.get("search_only"):
         return True, None, strategy
     result = _applied(make_context(model), strategy, accumulation, bool(kwargs.get("verbose", False)),
@@ -160,7 +160,7 @@ def auto_accelerate(
     return True, result, strategy
 
 
-def check_included(model, strategy: Strategy, included: list[str], device_ctx, fit_job) -> None:
+def check_included(model, strategy: Strategy, included: list[str], device_ctx, fit_job, planned_notes=()) -> None:
     """Every method named in ``included`` is in the strategy that runs, or the call is refused
     with why: named means applied or refused, never dropped in silence (a method that cannot run
     on this job, changes nothing on this model, or conflicts with the pick)."""
@@ -169,6 +169,10 @@ def check_included(model, strategy: Strategy, included: list[str], device_ctx, f
         return
     reasons = []
     for name in missing:
+        dropped = next((n for n in planned_notes if n.startswith(f"{name}:") and "dropped" in n), None)
+        if dropped is not None:  # planning this job dropped it, with why (its config as given)
+            reasons.append(dropped)
+            continue
         notes: list = []
         try:
             planned, notes = plan_strategy(strategy.with_method(name), device_ctx, job=fit_job)

@@ -215,5 +215,6 @@ _LIMITS = (
     ("max_dryruns", True, 1, True, "how many candidates to dry-run, at least 1 (default 8)"),
     ("dryrun_steps", True, 1, True, "timed steps per dry run, at least 1 (default 3)"),
     ("dryrun_warmup_steps", True, 0, True, "untimed steps before them, 0 or more"),
+    ("planned_steps", True, 1, True, "optimizer steps the job will train, at least 1 (default 1000)"),
     ("dryrun_timeout", False, 0, False, "seconds a dry run may take before it counts as hung (default 300)"),
 )

@@ -120,6 +120,14 @@ class MethodSpec:
     # every model). A method for some models only (expert_parallel: models with routed experts)
     # is then no choice for the others, and their searches are as they were without it.
     applies_to: Callable[[Any], bool] | None = None
+    # The search does not cross this method with every candidate: it changes how the pick runs,
+    # not what a rank holds (torch.compile, a fused optimizer step), so it is tried on the pick
+    # alone, timed side by side with it and kept where it runs faster (atorch/auto/search/refine.py).
+    tried_on_pick: bool = False
+    # ``(config, step_seconds, planned_steps, device_type) -> reason | None``: why trying the
+    # method on a pick whose step takes ``step_seconds`` cannot pay over the job's planned steps
+    # (a compile longer than any saving), so the search does not try it.
+    cannot_pay: Callable[[MethodConfig, float, int, str], str | None] | None = None
     # Configs whose relations differ from the default config's (a backend switch): listed one by
     # one in docs/methods/compatibility.md.
     variants: tuple[dict, ...] = ()

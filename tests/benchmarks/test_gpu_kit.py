@@ -59,6 +59,27 @@ def test_dry_path_measures_estimates_and_writes_the_report(tmp_path, calibration
     assert report_path.with_suffix(".md").read_text().count(f"`{' '.join(argv)}`") == 2
 
 
+@pytest.mark.slow
+def test_dry_path_runs_the_compiled_and_fused_variants_and_the_search(tmp_path, calibration, capsys):
+    # inductor compiles C++ here (about 20 s a compiled variant), and the search picks on the CPU
+    work = tmp_path / "run"
+    argv = ["--dry", "--in-process", "--work-dir", str(work), "--calibration", str(calibration), "--step", "bench",
+            "--features", "bf16,fused_optimizer,compile,compile_fused,fused_kernels,search", "--warmup", "2",
+            "--steps", "2"]
+    assert cli.main(argv) == 0
+    [report_path] = work.glob("gpu_cpu-dry_*.json")
+    bench = {(r["who"], r["feature"]): r for r in json.loads(report_path.read_text())["bench"]}
+    assert ("plain", "search") not in bench  # its twin is plain bf16's row
+    for feature in ("fused_optimizer", "compile", "compile_fused", "search"):
+        row = bench[("atorch", feature)]
+        assert row["status"] == "done" and row["tokens_per_s"] > 0, row
+        # the same weights and batches as the plain twin: the same first loss
+        twin = bench[("plain", "bf16" if feature == "search" else feature)]
+        assert row["losses"][0] == pytest.approx(twin["losses"][0], rel=1e-2)
+    assert bench[("atorch", "compile_fused")]["strategy"] == ["amp_native", "native_dynamo", "fused_optimizer"]
+    assert bench[("atorch", "fused_kernels")]["status"] == "skipped" and "CUDA" in bench[("atorch", "fused_kernels")]["note"]
+
+
 def _fake_units(calls):
     def unit(name, result=None, fail=False):
         def run(run, timeout):
@@ -132,12 +153,16 @@ def test_junit_counts(tmp_path):
 
 
 def test_units_of_a_gpu_run_each_fit_a_ten_minute_command():
-    config = {"dry": False, "features": ["bf16", "checkpoint", "compile", "fp8"]}
+    from benchmarks.gpu.llama import FEATURES
+
+    config = {"dry": False, "features": list(FEATURES)}
     all_units = steps.units(config)
     assert [u.step for u in all_units][0] == "tests" and all_units[-1].key == "estimate/cost-model"
     assert all(u.limit_s < 600 for u in all_units)
     bench = [u.name for u in all_units if u.step == "bench"]
-    assert bench[:2] == ["plain-bf16", "atorch-bf16"] and len(bench) == 8
+    # every feature by hand and through atorch, but the search, whose twin is plain bf16's row
+    assert bench[:2] == ["plain-bf16", "atorch-bf16"] and len(bench) == 2 * len(FEATURES) - 1
+    assert "atorch-search" in bench and "plain-search" not in bench
 
 
 def test_h100_and_h200_take_their_peak_from_the_repository_profile():

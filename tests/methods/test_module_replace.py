@@ -85,6 +85,28 @@ def test_pair_without_from_original_is_refused():
         register_replace_pair("bad", (nn.Linear, nn.Identity))
 
 
+def test_liger_kernels_where_they_cannot_run_are_dropped_with_the_reason_and_refused_when_included():
+    from atorch.auto.environment import DeviceContext
+    from atorch.auto.registry import get_method
+    from atorch.methods.module_replace import ModuleReplaceConfig
+
+    spec, config = get_method("module_replace"), ModuleReplaceConfig(kernels="liger")
+    cpu = DeviceContext(1, 1, torch.device("cpu"), None, 2**34)
+    assert "CUDA GPU" in spec.unsupported(cpu, config) and spec.unsupported(cpu, ModuleReplaceConfig()) is None
+    cuda = DeviceContext(1, 1, torch.device("cuda", 0), None, 2**34)
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        assert "pip install 'atorch[liger]'" in spec.unsupported(cuda, config)
+    if torch.cuda.is_available():
+        return
+    _, result, strategy = auto_accelerate(tiny_llama(), load_strategy=[("module_replace", {"kernels": "liger"})])
+    assert "module_replace" not in strategy and any("CUDA GPU" in note for note in result.notes)
+    with pytest.raises(MethodConfigError, match="module_replace.*CUDA GPU"):
+        auto_accelerate(tiny_llama(), load_strategy=[("module_replace", {"kernels": "liger"})],
+                        included=["module_replace"])
+
+
 def test_module_replace_with_fsdp_on_2_ranks_matches_single_process():
     reference = train_hf([])
     strategy = ["parallel_mode", ("module_replace", {"pairs": ["hf_rmsnorm"]}), "fsdp"]

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from atorch.auto import auto_accelerate
 from atorch.errors import MethodConfigError
@@ -26,3 +27,17 @@ def test_compile_on_2_ranks_matches_eager_single_process():
     results = run_distributed(train_losses, 2, strategy)
     assert_ranks_agree(results)
     assert_losses_close(results[0]["losses"], reference["losses"], FP32_RTOL)
+
+
+def test_inductor_on_this_cpu_matches_eager_and_is_in_the_search_space(monkeypatch):
+    # inductor's C++ kernels (the search tries them on its pick): the same sums in another order,
+    # within fp32's rounding of eager's losses over 5 AdamW steps
+    from atorch.auto.registry import get_method
+
+    monkeypatch.setenv("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "")  # inductor sets it itself
+    reference = train_losses([], optim=torch.optim.AdamW, lr=1e-2)
+    compiled = train_losses([("native_dynamo", "inductor")], optim=torch.optim.AdamW, lr=1e-2)
+    assert '"backend": "inductor"' in compiled["strategy"]
+    assert_losses_close(compiled["losses"], reference["losses"], 1e-4)
+    spec = get_method("native_dynamo")
+    assert spec.tried_on_pick and spec.search_space == ({},) and spec.config_cls().backend == "inductor"

@@ -5,6 +5,7 @@
 3. pruning (prune.py): what the estimates rule out, each with its reason;
 4. dry runs (dryruns.py): the rest, fastest estimate first, judged on what they measure;
 5. the close call (closecall.py): the best and those within reach timed side by side;
+5b. refinements (refine.py): torch.compile and a fused optimizer step tried on the pick alone;
 6. the pick (pick.py) and the report (report.py).
 
 Each stage reads what the stages before it left in a :class:`~atorch.auto.search.state.SearchRun`
@@ -34,6 +35,7 @@ from atorch.auto.search.estimate import (  # noqa: F401 - cost_candidate, estima
     cost_candidate,
     estimate_all,
     estimate_candidate,
+    estimate_one,
     first_micro_batch,
     ineligible_rows,
     layout_dims,
@@ -41,6 +43,7 @@ from atorch.auto.search.estimate import (  # noqa: F401 - cost_candidate, estima
 )
 from atorch.auto.search.pick import no_winner_note, pick_winner, tied_with, unmeasured_pick
 from atorch.auto.search.prune import prune_on_estimates
+from atorch.auto.search.refine import refine_pick
 from atorch.auto.search.report import SearchReport
 from atorch.auto.search.space import candidate_space, layout_space
 from atorch.auto.search.speedup import half_speedup
@@ -95,6 +98,8 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
         prune_on_estimates(run.results, run.fits, run.measured_rates)  # 3
     stopped = run_dry_runs(run, *dry_run_order(run))  # 4
     settle_close_call(run)  # 5
+    if base is None:  # finetune_strategy: only the loaded strategy's methods
+        refine_pick(run, excluded, functools.partial(estimate_one, run, prober=prober, rates=rates))  # 5b
     return _answer(run, counts, stopped)  # 6
 
 
@@ -121,17 +126,31 @@ def _rates(run: SearchRun, probe_ctx: ModelContext) -> Rates:
     state_factor = cost.optimizer_state_factor(probe_ctx.optim_func, probe_ctx.optim_args)
     optim_rate = from_rank0(cost.optimizer_seconds_per_byte(probe_ctx.optim_func, probe_ctx.optim_args,
                                                             run.device_ctx.device))
+    fused_rate = from_rank0(_fused_optimizer_rate(probe_ctx, run.device_ctx.device))
     if run.options.profile is not None:
         run.rates_text = f"the rates given ({run.options.profile.name})"
-        return Rates(state_factor, optim_rate, run.options.profile)
+        return Rates(state_factor, optim_rate, run.options.profile, fused_optim_rate=fused_rate)
     profile, run.rates_text = cached_rates(run.device_ctx.device, run.device_ctx.world_size)
     if profile is not None:
-        return Rates(state_factor, optim_rate, profile)
+        return Rates(state_factor, optim_rate, profile, fused_optim_rate=fused_rate)
     # No calibration: bf16's speedup over fp32, which decides whether amp is tried, is measured.
     speedup, where = half_speedup(run.device_ctx.device, run.device_ctx.world_size)
     run.rates_text += f"; bf16's speedup over fp32 measured: {speedup:.2f}x ({where})"
     run.measured_rates = frozenset({"half"})
-    return Rates(state_factor, optim_rate, None, speedup)
+    return Rates(state_factor, optim_rate, None, speedup, fused_rate)
+
+
+def _fused_optimizer_rate(probe_ctx: ModelContext, device: torch.device) -> float:
+    """The user's optimizer's fused step (fused_optimizer), seconds per byte on this device; 0
+    where it has none."""
+    from atorch.errors import MethodConfigError
+    from atorch.methods.fused_optimizer import optimizer_keywords
+
+    try:
+        keywords = optimizer_keywords(probe_ctx.optim_func, "fused")
+    except MethodConfigError:
+        return 0.0
+    return cost.optimizer_seconds_per_byte(probe_ctx.optim_func, {**probe_ctx.optim_args, **keywords}, device)
 
 
 def _answer(run: SearchRun, counts: Counter, stopped: int) -> tuple[Strategy | None, SearchReport]:
@@ -143,14 +162,14 @@ def _answer(run: SearchRun, counts: Counter, stopped: int) -> tuple[Strategy | N
     report = SearchReport(run.device_ctx.world_size, str(run.device_ctx.device.type), options.memory_budget)
     report.global_batch, report.rates = run.global_batch, run.rates_text
     report.candidates = [r for _, r in results]
-    report.generated = counts["generated"]
+    report.generated = counts["generated"] + run.trials
     pruned = Counter(r.pruned_by or "other" for r in report.candidates if r.status == PRUNED)
     pruned.update({rule: counts[rule] for rule in ("conflicting", "symmetric", "ineligible") if counts[rule]})
     report.pruned = dict(pruned.most_common())
     report.dry_run = sum(1 for r in report.candidates if r.status in (MEASURED, FAILED))
     if stopped:
         report.stopped = stop.stop_note(stopped, report.dry_run)
-    winner = pick_winner(results)
+    winner = run.refined or pick_winner(results)
     if winner is None and run.timed_out and not any(r.throughput for _, r in results):
         winner = unmeasured_pick(results, options.memory_budget)
         if winner is not None:
@@ -158,7 +177,8 @@ def _answer(run: SearchRun, counts: Counter, stopped: int) -> tuple[Strategy | N
                            f"simplest strategy estimated to fit is returned unmeasured")
     if winner is not None:
         report.winner = report.candidates.index(winner[1])
-        report.tied = [report.candidates.index(r) for r in tied_with(results, winner)] or None
+        tied = [] if run.refined else tied_with(results, winner)
+        report.tied = [report.candidates.index(r) for r in tied] or None
     else:
         report.note = no_winner_note(results, options, run.timed_out)
     report.search_seconds = time.perf_counter() - run.start

@@ -33,6 +33,7 @@ def run_search(model, device_ctx, make_context, apply_strategy, kwargs, excluded
         timed_steps=max(1, int(kwargs.get("dryrun_steps", 3))),
         dryrun_timeout=float(kwargs.get("dryrun_timeout", 300.0)),
         max_dryruns=int(kwargs.get("max_dryruns", 8)),
+        planned_steps=int(kwargs.get("planned_steps", SearchOptions.planned_steps)),
         verbose=bool(kwargs.get("verbose", False)),
         budget_is_device_memory=kwargs.get("memory_budget") is None,
     )

@@ -78,7 +78,7 @@ def time_side_by_side(pristine: torch.nn.Module, strategies: list[Strategy], mak
     """Each of ``strategies`` built on a fresh copy, warmed up, then stepped ``TURN_STEPS`` steps
     a turn, in order and then in reverse, for ``MIN_TURNS`` to ``MAX_TURNS`` turns (see NEAR).
     Returns ``{"reason": None, "turn_seconds": [[seconds a step, per turn] per strategy],
-    "seconds": ...}`` (the slowest rank's clock), or the first failure's reason; every rank calls
+    "warmup_seconds": [its warm-up steps' seconds per strategy], "seconds": ...}`` (the slowest rank's clock), or the first failure's reason; every rank calls
     it, and every copy is released."""
     start = time.perf_counter()
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
@@ -103,11 +103,14 @@ def time_side_by_side(pristine: torch.nn.Module, strategies: list[Strategy], mak
 def _timed(built: list, warmup_steps: int, timeout_s: float, start: float) -> dict:
     error = failed_at = None
     seconds: list[list[float]] = [[] for _ in built]
+    warmup: list[float] = []
     try:
         loaders = [itertools.cycle(ctx.dataloader) for ctx in built]
         for ctx, batches in zip(built, loaders):
+            t0 = time.perf_counter()
             for _ in range(warmup_steps):
                 train_step(ctx, draw(ctx, batches))
+            warmup.append(max_each(time.perf_counter() - t0)[0])  # torch.compile compiles here
         active = list(range(len(built)))
         for turn in range(MAX_TURNS):
             for index in active if turn % 2 == 0 else active[::-1]:
@@ -127,7 +130,7 @@ def _timed(built: list, warmup_steps: int, timeout_s: float, start: float) -> di
         error, failed_at = f"{type(exc).__name__}: {exc}", time.perf_counter() - start
     if not all_ok(error is None):
         return {"reason": first_error(error, failed_at), "seconds": time.perf_counter() - start}
-    return {"reason": None, "turn_seconds": seconds, "seconds": time.perf_counter() - start}
+    return {"reason": None, "turn_seconds": seconds, "warmup_seconds": warmup, "seconds": time.perf_counter() - start}
 
 
 def still_near(seconds: list[list[float]], active: list[int]) -> list[int]:

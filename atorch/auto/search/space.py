@@ -124,7 +124,7 @@ def candidate_space(
                 continue
             if spec.name in included:
                 choices.append((spec.name, list(spec.search_space) or [{}]))
-            elif spec.search_space and (spec.applies_to is None or (model is not None and spec.applies_to(model))):
+            elif spec.search_space and not spec.tried_on_pick and (spec.applies_to is None or (model is not None and spec.applies_to(model))):
                 choices.append((spec.name, [None, *spec.search_space]))
         layouts = layouts or [Layout(())]
     seen: list[Strategy] = []

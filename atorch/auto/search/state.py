@@ -26,6 +26,10 @@ class SearchOptions:
     timed_steps: int = 3
     dryrun_timeout: float = 300.0
     max_dryruns: int = 8
+    # Optimizer steps the job will train: a refinement's one-time cost (torch.compile's compiling)
+    # is spread over them when it is tried on the pick (refine.py). 1000 when the user says nothing:
+    # a short fine-tuning run; a compile must pay for itself within it.
+    planned_steps: int = 1000
     verbose: bool = False
     # The budget is the device's own memory (the user gave none): a dry run that did not run out
     # of memory fits it, even where the peak tracker cannot follow the strategy.
@@ -64,6 +68,9 @@ class SearchRun:
     # the rates measured on this machine (MethodSpec.decided_by's names); None: all of them (a
     # calibrated or given profile)
     measured_rates: frozenset | None = None
+    # the pick with the methods tried on it kept (refine.py), when one was: it replaces pick_winner's
+    refined: tuple | None = None
+    trials: int = 0  # rows refine.py added (counted as generated)
 
     def past_limit(self) -> bool:
         """On this rank's clock: rank 0's decides, through an agreement."""

@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from atorch.auto.search import closecall, dryruns
+from atorch.auto.search import closecall, dryruns, refine
 from atorch.auto.search.candidate import MEASURED
 from atorch.auto.search.closecall import RETIME_BAND, RETIME_MARGIN
 from atorch.auto.search.closecall import close_call as _close_call
@@ -77,6 +77,7 @@ def test_a_search_times_a_close_call_again_and_keeps_the_median_step(tmp_path, m
     # candidates' copies cannot be alive together (tests/auto/search/test_side_by_side.py has the rest).
     monkeypatch.setattr(closecall, "RETIME_MARGIN", 1.0)
     monkeypatch.setattr(closecall, "fits_together", lambda *args: False)
+    monkeypatch.setattr(refine, "fits_together", lambda *args: False)  # no trial on the pick either
     order = []
     measure = dryruns.dry_run
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from atorch.auto.environment import available_host_memory
-from atorch.auto.search import closecall, sidebyside
+from atorch.auto.search import closecall, refine, sidebyside
 from atorch.auto.search.candidate import MEASURED
 from atorch.auto.search.pick import pick_winner as _pick_winner
 from atorch.auto.search.pick import tied_with as _tied
@@ -90,8 +90,10 @@ def test_a_search_settles_its_close_call_side_by_side(tmp_path, monkeypatch):
 def test_where_the_copies_cannot_be_alive_together_the_close_call_is_timed_again(tmp_path, monkeypatch):
     monkeypatch.setattr(closecall, "RETIME_MARGIN", 1.0)
     monkeypatch.setattr(closecall, "fits_together", lambda *args: False)
+    monkeypatch.setattr(refine, "fits_together", lambda *args: False)  # nor a method tried on the pick
     report = _search(tmp_path)
     assert not any(c.side_by_side for c in report.candidates)
+    assert all("do not fit the device together" in c.reason for c in report.candidates if "fused_optimizer" in c.names)
     assert [c for c in report.candidates if c.throughputs]
 
 

@@ -1,0 +1,70 @@
+"""Stage 5b: methods tried on the pick alone (atorch/auto/search/refine.py), on 2 gloo processes."""
+
+import torch
+
+from atorch.auto.registry import unregister_method
+from atorch.auto.search.refine import pick_behind
+from atorch.auto.search.report import SearchReport
+from atorch.methods.native_dynamo import NativeDynamoConfig, cannot_pay
+from tests.helpers.dist import run_distributed
+
+# data parallelism only, a few short dry runs: the trials are what this file checks
+ONLY_DDP = ["amp_native", "module_replace", "tensor_parallel", "pipeline_parallel", "mixed_parallel", "checkpoint",
+            "gradient_accumulation", "zero2", "fsdp", "fused_optimizer", "native_dynamo"]
+FAST = {"dryrun_warmup_steps": 1, "dryrun_steps": 2, "use_search_cache": False, "max_dryruns": 2}
+
+
+def search_with(report_file, method: str, excluded: list, **kwargs) -> list:
+    from atorch.auto import auto_accelerate
+    from tests.auto.search.refining_method import NappingTransformer, register
+    from tests.helpers.models import TokenDataset, lm_loss
+
+    register(method)
+    torch.manual_seed(0)
+    status, result, strategy = auto_accelerate(
+        NappingTransformer(), torch.optim.AdamW, TokenDataset(), lm_loss, optim_args={"lr": 1e-2},
+        dataloader_args={"batch_size": 8}, model_input_format="unpack_dict", report_file=report_file,
+        excluded=excluded, **FAST, **kwargs)
+    unregister_method(method)
+    nap = result.model.module.nap if hasattr(result.model, "module") else result.model.nap
+    return [status, strategy.opt_names, nap]
+
+
+def _trial_rows(path, name):
+    return [c for c in SearchReport.load(path).candidates if name in c.names]
+
+
+def test_a_method_that_makes_the_pick_faster_is_kept_and_one_that_slows_it_is_not(tmp_path):
+    path = str(tmp_path / "report.json")
+    status, names, nap = run_distributed(search_with, 2, path, "_wakes", ONLY_DDP)[0]
+    assert status and "_wakes" in names and nap == 0.0, names  # the returned job runs it
+    [row] = _trial_rows(path, "_wakes")
+    report = SearchReport.load(path)
+    assert row.status == "measured" and report.candidates[report.winner] is not None
+    assert report.candidates[report.winner].names == names
+    assert "kept on the pick" in row.reason and "band" in row.reason
+    # the negative control: the same stage, a method that slows the step, is left out with its figures
+    status, names, nap = run_distributed(search_with, 2, path, "_naps", ONLY_DDP)[0]
+    assert "_naps" not in names and nap > 0
+    [row] = _trial_rows(path, "_naps")
+    assert row.status == "pruned" and row.pruned_by == "not_faster" and "0." in row.reason
+
+
+def test_an_excluded_method_is_not_tried_on_the_pick(tmp_path):
+    path = str(tmp_path / "report.json")
+    run_distributed(search_with, 2, path, "_wakes", ONLY_DDP + ["_wakes"])
+    assert not _trial_rows(path, "_wakes")
+
+
+def test_a_compile_that_cannot_pay_over_the_planned_steps_is_not_tried():
+    config = NativeDynamoConfig()
+    why = cannot_pay(config, 0.005, 1000, "cpu")
+    assert "1000 planned steps" in why and "planned_steps" in why
+    assert cannot_pay(config, 0.005, 100_000, "cpu") is None  # 250 s of possible saving
+    assert cannot_pay(NativeDynamoConfig(backend="aot_eager"), 0.005, 10, "cpu") is None  # no C++ compile
+
+
+def test_the_ratio_that_decides_a_trial():
+    median, low, high = pick_behind([1.1] * 6, [1.0] * 6)
+    assert round(median, 6) == round(low, 6) == 1.1
+    assert pick_behind([1.0, 1.2] * 3, [1.0] * 6)[1] == 1.0  # a turn as fast as the trial: no clear lead
