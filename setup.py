@@ -32,6 +32,8 @@ setup(
         # benchmarks/: plots and the Hugging Face Accelerate comparison.
         "bench": ["matplotlib>=3.7", "accelerate>=0.30"],
         "transformer-engine": ["transformer-engine[pytorch]>=1.8"],
+        # module_replace's kernels="liger": fused Triton kernels for transformers' blocks (CUDA GPUs).
+        "liger": ["liger-kernel>=0.5"],
         "peft": ["peft>=0.10"],
         # atorch.utils.steplog.TensorBoardWriter.
         "tensorboard": ["tensorboard>=2.14"],
