@@ -44,7 +44,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps a variant (default 3; dry 1)")
     p.add_argument("--steps", type=int, default=None, help="timed steps a variant (default 10; dry 2)")
     p.add_argument("--batch", type=int, default=None, help="sequences a step (default 4; dry 2)")
-    p.add_argument("--features", default=None, help="comma-separated of bf16,checkpoint,compile,fp8 (default all)")
+    p.add_argument("--features", default=None, help="comma-separated of bf16,checkpoint,compile,fp8,"
+                   "fused_optimizer,compile_fused,fused_kernels,search (default all)")
     p.add_argument("--in-process", action="store_true",
                    help="run the units in this process (no time limit a unit; for tests and debugging)")
     return p

@@ -16,6 +16,9 @@ ADAMW_STATE_FACTOR = 2.0
 H200_BANDWIDTH = 4.8e12
 # What the cost model has no term for: the estimate would be the bf16 one under another name.
 NOT_MODELLED = {"compile": "the cost model has no term for torch.compile's fusions (it would read as bf16's)",
+                "compile_fused": "the cost model has no term for torch.compile's fusions",
+                "fused_kernels": "the cost model has no term for liger-kernel's fusions (it would read as bf16's)",
+                "search": "the search's pick is estimated in its own report",
                 "fp8": "the cost model has no fp8 term (atorch plan leaves fp8 out too)"}
 
 

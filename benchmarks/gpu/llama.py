@@ -3,8 +3,10 @@ tokens, AdamW; trained by an atorch strategy or by the same loop written by hand
 
 Each variant pairs a feature with who applies it: ``atorch`` (``auto_accelerate`` with a strategy)
 or ``plain`` (what a user writes without atorch: ``torch.autocast``, transformers'
-``gradient_checkpointing_enable``, ``Module.compile``, transformer-engine's ``te.Linear`` under
-``te.fp8_autocast``). Both start from the same weights and batches and step the same optimizer.
+``gradient_checkpointing_enable``, ``Module.compile``, AdamW's ``fused=True``, liger-kernel's
+``apply_liger_kernel_to_llama``, transformer-engine's ``te.Linear`` under ``te.fp8_autocast``).
+Both start from the same weights and batches and step the same optimizer. The ``search`` variant
+is atorch's own pick on the device (a search of at most SEARCH_SECONDS), its twin plain bf16.
 """
 
 import importlib.util
@@ -38,13 +40,22 @@ LLAMA_1B = LlamaSize(hidden=2048, intermediate=5632, layers=22, heads=32, kv_hea
 # The CPU dry path's: the same code on a model of 0.1M parameters.
 DRY = LlamaSize(hidden=64, intermediate=176, layers=2, heads=4, kv_heads=2, vocab=128, seq=32, batch=2)
 
-# feature -> the atorch strategy; the plain twin does the same by hand (see plain_step)
+# feature -> the atorch strategy (None: the search's own pick, found on this device); the plain
+# twin does the same by hand (see plain_step; the search's twin is plain bf16)
 STRATEGIES = {
     "bf16": [("amp_native", "bf16")],
     "checkpoint": [("amp_native", "bf16"), "checkpoint"],
     "compile": [("amp_native", "bf16"), "native_dynamo"],
     "fp8": [("amp_native", "bf16"), "fp8"],
+    "fused_optimizer": [("amp_native", "bf16"), "fused_optimizer"],
+    "compile_fused": [("amp_native", "bf16"), "native_dynamo", "fused_optimizer"],
+    "fused_kernels": [("amp_native", "bf16"), ("module_replace", {"kernels": "liger"})],
+    "search": None,
 }
+# The search's limits in the "search" unit: its time, and the job it charges a compile over.
+SEARCH_SECONDS, PLANNED_STEPS = 240, 10_000
+COMPILED = ("compile", "compile_fused")
+FUSED_OPTIMIZER = ("fused_optimizer", "compile_fused")
 FEATURES = tuple(STRATEGIES)
 FP8_ALIGNMENT = 16  # an fp8 GEMM's dims are multiples of 16
 
@@ -105,20 +116,25 @@ def unsupported(feature: str, device: torch.device) -> str | None:
             return f"fp8 needs compute capability 8.9+, this GPU has {capability[0]}.{capability[1]}"
         if importlib.util.find_spec("transformer_engine") is None:
             return "transformer-engine is not installed (pip install 'transformer-engine[pytorch]')"
-    if feature == "compile" and device.type != "cuda":
-        return "the dry path leaves torch.compile out (inductor's CPU build takes minutes)"
+    if feature == "fused_kernels":
+        if device.type != "cuda":
+            return "liger-kernel's kernels are Triton kernels for CUDA GPUs"
+        if importlib.util.find_spec("liger_kernel") is None:
+            return "liger-kernel is not installed (pip install 'atorch[liger]')"
     return None
 
 
 def atorch_step(model, size: LlamaSize, feature: str, device: torch.device):
     import atorch
 
+    search = {} if STRATEGIES[feature] is not None else {
+        "time_limit": SEARCH_SECONDS, "planned_steps": PLANNED_STEPS, "use_search_cache": False}
     status, result, strategy = atorch.auto_accelerate(
         model, torch.optim.AdamW, Tokens(size), lambda batch, out: out.loss, optim_args={"lr": LR},
         dataloader_args={"batch_size": size.batch, "shuffle": False}, model_input_format="unpack_dict",
-        load_strategy=STRATEGIES[feature])
+        load_strategy=STRATEGIES[feature], **search)
     if not status:
-        raise RuntimeError(f"auto_accelerate could not apply {STRATEGIES[feature]}")
+        raise RuntimeError(f"auto_accelerate could not apply {STRATEGIES[feature] or 'a searched strategy'}")
     batches = forever(result.dataloader)
 
     def step():
@@ -140,9 +156,14 @@ def plain_step(model, size: LlamaSize, feature: str, device: torch.device):
             model.activation_checkpointing_enable({"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if feature == "compile":
+    if feature == "fused_kernels":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False, model=model)
+    if feature in COMPILED:
         model.compile()
-    optim = torch.optim.AdamW(model.parameters(), lr=LR)
+    optim = torch.optim.AdamW(model.parameters(), lr=LR, **({"fused": True} if feature in FUSED_OPTIMIZER else {}))
     batches = forever(torch.utils.data.DataLoader(Tokens(size), batch_size=size.batch, shuffle=False))
 
     def step():

@@ -51,9 +51,12 @@ def build(state, all_units) -> dict:
                 for u in all_units]
     problems += [f"{s['unit']} failed: {s['note']}" for s in statuses if s["status"] == "failed"]
     bench = []
+    keys = {u.key for u in all_units}
     for feature in config["features"]:
         for who in ("plain", "atorch"):
             key = f"bench/{who}-{feature}"
+            if key not in keys:
+                continue  # the search's twin is plain bf16's row
             row = dict(done.get(key) or {"who": who, "feature": feature})
             row["status"] = units.get(key, {}).get("status", "pending")
             row["note"] = units.get(key, {}).get("note", "")
@@ -124,7 +127,7 @@ def markdown(report: dict) -> str:
               (f"MFU against {_rate(report['peak_flops'])}: " if report["peak_flops"] else "No MFU: ")
               + f"{report['peak_source']}.", ""]
     rows = []
-    plain = {r["feature"]: r for r in report["bench"] if r["who"] == "plain"}
+    plain = _plain_twins(report)
     for r in report["bench"]:
         twin = plain.get(r["feature"], {})
         ratio = (r["tokens_per_s"] / twin["tokens_per_s"]
@@ -182,7 +185,7 @@ def summary(report: dict) -> str:
     if tests:
         lines.append("tests: " + ", ".join(f"{sum(r.get(k, 0) for r in tests)} {k}"
                                             for k in ("passed", "failed", "errors", "skipped", "collected")))
-    plain = {r["feature"]: r for r in report["bench"] if r["who"] == "plain"}
+    plain = _plain_twins(report)
     for r in report["bench"]:
         if r["who"] == "atorch" and r.get("tokens_per_s"):
             twin = plain.get(r["feature"], {}).get("tokens_per_s")
@@ -195,3 +198,11 @@ def summary(report: dict) -> str:
             lines.append(f"estimate {e['feature']} ({e['profile']}): est/measured step {e['step_ratio']:.2f}{peak}")
     lines += [f"problem: {p}" for p in report["problems"]]
     return "\n".join(lines)
+
+
+def _plain_twins(report: dict) -> dict:
+    """Each feature's plain row; the search's is plain bf16's (the job a user writes by hand)."""
+    plain = {r["feature"]: r for r in report["bench"] if r["who"] == "plain"}
+    if "bf16" in plain:
+        plain.setdefault("search", plain["bf16"])
+    return plain

@@ -68,7 +68,9 @@ def units(config: dict) -> list[Unit]:
     out.append(Unit("calibrate", "profile", 300, _calibrate))
     for feature in config["features"]:
         for who in ("plain", "atorch"):  # each atorch variant right after its plain twin
-            out.append(Unit("bench", f"{who}-{feature}", 540 if feature == "compile" else 300,
+            if who == "plain" and feature == "search" and "bf16" in config["features"]:
+                continue  # the search's twin is plain bf16, measured already
+            out.append(Unit("bench", f"{who}-{feature}", 540 if feature in ("compile", "compile_fused", "search") else 300,
                             lambda run, t, who=who, feature=feature: _bench(run, who, feature)))
     out.append(Unit("estimate", "cost-model", 300, _estimate))
     return out
