@@ -124,6 +124,9 @@ class MethodSpec:
     # not what a rank holds (torch.compile, a fused optimizer step), so it is tried on the pick
     # alone, timed side by side with it and kept where it runs faster (atorch/auto/search/refine.py).
     tried_on_pick: bool = False
+    # Configs of a method that is otherwise searched as usual, tried on the pick alone the same
+    # way (added, or in place of the pick's config of it): module_replace's liger kernels.
+    pick_trials: tuple[dict, ...] = ()
     # ``(config, step_seconds, planned_steps, device_type) -> reason | None``: why trying the
     # method on a pick whose step takes ``step_seconds`` cannot pay over the job's planned steps
     # (a compile longer than any saving), so the search does not try it.

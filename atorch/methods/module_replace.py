@@ -140,5 +140,7 @@ register_method(
         unsupported=_unsupported,
         changes_nothing=changes_nothing,
         search_space=({},),
+        # on a CUDA GPU with liger-kernel installed (elsewhere ``unsupported``: not tried)
+        pick_trials=({"kernels": "liger"},),
     )
 )

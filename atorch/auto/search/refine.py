@@ -1,7 +1,8 @@
 """Stage 5b of the search: refinements of the pick. A method that changes how a strategy runs, not
-what a rank holds (torch.compile, a fused optimizer step: ``MethodSpec.tried_on_pick``), is not
-crossed with every candidate, which would double the space and the dry runs; it is tried on the
-pick alone:
+what a rank holds (torch.compile, a fused optimizer step: ``MethodSpec.tried_on_pick``; a
+config of another method, ``MethodSpec.pick_trials``: liger's kernels through module_replace),
+is not crossed with every candidate, which would double the space and the dry runs; it is tried
+on the pick alone:
 
 1. planned with the pick (a conflict, or a method that would change nothing, is a reason);
 2. skipped where it cannot pay over the job's ``planned_steps`` (``MethodSpec.cannot_pay``: a
@@ -45,17 +46,28 @@ def refine_pick(run: SearchRun, excluded=None, estimate=None) -> None:
         return
     kept = winner
     for spec in all_methods():
-        if not spec.tried_on_pick or spec.name in set(excluded or ()) or spec.name in kept[0]:
-            continue
-        if spec.applies_to is not None and not spec.applies_to(run.model):
-            continue
-        for config in spec.search_space:
+        for config in _trial_configs(run, spec, kept[0], set(excluded or ())):
             trial = _trial(run, kept, spec.name, config, estimate)
             if trial is not None:
                 kept = trial
                 break
     if kept is not winner:
         run.refined = kept
+
+
+def _trial_configs(run: SearchRun, spec, pick: Strategy, excluded: set) -> list[dict]:
+    """The configs of ``spec`` to try on ``pick``: a ``tried_on_pick`` method's search space (when
+    the pick lacks it), or its ``pick_trials``; none that this device cannot run (liger's kernels
+    on a CPU) or that the user excluded."""
+    if spec.name in excluded or (spec.applies_to is not None and not spec.applies_to(run.model)):
+        return []
+    configs = (spec.search_space if spec.name not in pick else ()) if spec.tried_on_pick else spec.pick_trials
+    return [c for c in configs if spec.unsupported is None or spec.unsupported(run.device_ctx, spec.config_cls(**c)) is None]
+
+
+def _with(pick: Strategy, name: str, config: dict) -> Strategy:
+    """``pick`` with ``name`` added, or with its config replaced where the pick has it already."""
+    return pick.replace(name, config) if name in pick else pick.with_method(name, config)
 
 
 def _trial(run: SearchRun, pick: tuple, name: str, config: dict, estimate) -> tuple | None:
@@ -66,8 +78,8 @@ def _trial(run: SearchRun, pick: tuple, name: str, config: dict, estimate) -> tu
         if row.reason is not None:  # a config error, or over the budget by its estimate
             row.status, row.pruned_by = PRUNED, CANNOT_PAY
     else:
-        row = CandidateResult(pick[0].with_method(name, config).to_dict(), layout=pick[1].layout)
-    run.results.append((strategy if isinstance(strategy, Strategy) else pick[0].with_method(name, config), row))
+        row = CandidateResult(_with(pick[0], name, config).to_dict(), layout=pick[1].layout)
+    run.results.append((strategy if isinstance(strategy, Strategy) else _with(pick[0], name, config), row))
     run.trials += 1
     if not isinstance(strategy, Strategy):
         row.reason, row.pruned_by = strategy or f"not tried: {name} changes nothing on this job", CANNOT_PAY
@@ -93,7 +105,7 @@ def _planned(run: SearchRun, base: Strategy, name: str, config: dict) -> Strateg
     dropped the method (it cannot run here, or changes nothing)."""
     try:
         with quiet():
-            planned, _ = plan_strategy(base.with_method(name, config), run.device_ctx)
+            planned, _ = plan_strategy(_with(base, name, config), run.device_ctx)
     except AtorchConfigError as error:
         return f"not tried: {error}"
     planned = resolved(run.model, planned)

@@ -91,3 +91,29 @@ def test_a_released_compiled_copy_leaves_no_graph_for_the_job_to_reuse():
     release(ModelContext(copy, DeviceContext.detect()), ran=True)
     compiled_forward()  # the job's model: compiled again, not served the released copy's graph
     assert torch._dynamo.utils.counters["frames"]["total"] > frames
+
+
+def test_what_is_tried_on_the_pick_follows_the_device(monkeypatch):
+    import importlib.util
+    from types import SimpleNamespace
+
+    from atorch.auto.environment import DeviceContext
+    from atorch.auto.registry import get_method
+    from atorch.auto.search.refine import _trial_configs
+    from atorch.auto.strategy import Strategy
+    from tests.helpers.models import TinyTransformer
+
+    def on(device):
+        return SimpleNamespace(model=TinyTransformer(), device_ctx=DeviceContext(2, 2, torch.device(device), None, 2**34))
+
+    replace, dynamo, fused = (get_method(n) for n in ("module_replace", "native_dynamo", "fused_optimizer"))
+    plain = Strategy(["parallel_mode"])
+    assert _trial_configs(on("cpu"), replace, plain, set()) == []  # liger's Triton kernels need CUDA
+    assert _trial_configs(on("cpu"), dynamo, plain, set()) == [{}]  # inductor's C++ backend
+    assert _trial_configs(on("cpu"), dynamo, plain.with_method("native_dynamo"), set()) == []
+    assert _trial_configs(on("cpu"), fused, plain, {"fused_optimizer"}) == []
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else real(name, *a))
+    assert _trial_configs(on("cuda"), replace, plain, set()) == []  # not installed
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "liger_kernel" else real(name, *a))
+    assert _trial_configs(on("cuda"), replace, plain, set()) == [{"kernels": "liger"}]
