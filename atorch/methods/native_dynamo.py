@@ -9,6 +9,7 @@ its compile (the warm-up's extra seconds) spread over the job's ``planned_steps`
 where even halving the step could not pay for a compile over those steps (:func:`cannot_pay`).
 """
 
+import os
 import shutil
 from typing import Any
 
@@ -64,12 +65,10 @@ def cannot_pay(config: NativeDynamoConfig, step_seconds: float, planned_steps: i
 
 
 def _unsupported(device_ctx, config: NativeDynamoConfig) -> str | None:
-    """Inductor compiles C++ on a CPU: it needs a compiler."""
+    """Inductor compiles C++ on a CPU: it needs a compiler (the ones inductor looks for; importing
+    torch._inductor to ask it takes seconds, which every search would pay)."""
     if config.backend == "inductor" and device_ctx.device.type == "cpu":
-        from torch._inductor import config as inductor
-
-        compiler = inductor.cpp.cxx[0] if isinstance(inductor.cpp.cxx, tuple) else inductor.cpp.cxx
-        if not any(shutil.which(name) for name in (compiler, "g++", "c++", "clang++") if name):
+        if not any(shutil.which(name) for name in (os.environ.get("CXX"), "g++", "c++", "clang++") if name):
             return "inductor needs a C++ compiler on a CPU (none found on PATH); install g++, or use backend aot_eager"
     return None
 

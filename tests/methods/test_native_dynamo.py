@@ -29,6 +29,7 @@ def test_compile_on_2_ranks_matches_eager_single_process():
     assert_losses_close(results[0]["losses"], reference["losses"], FP32_RTOL)
 
 
+@pytest.mark.slow  # inductor's cold C++ compile: 23 s on this VM
 def test_inductor_on_this_cpu_matches_eager_and_is_in_the_search_space(monkeypatch):
     # inductor's C++ kernels (the search tries them on its pick): the same sums in another order,
     # within fp32's rounding of eager's losses over 5 AdamW steps

@@ -8,7 +8,7 @@ from atorch.auto.registry import MethodSpec, Stage, get_method, register_method
 # Every registered method that a data-parallel search would try besides the one under test.
 OTHERS = ["amp_native", "module_replace", "checkpoint", "gradient_accumulation", "zero1", "zero2", "fsdp",
           "pipeline_parallel",
-          "tensor_parallel"]
+          "tensor_parallel", "fused_optimizer", "native_dynamo"]
 
 
 def search_with(name: str, config_cls, rewrite, description: str, report_file: str, dryrun_timeout: float):

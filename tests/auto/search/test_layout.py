@@ -30,7 +30,7 @@ MIB = 2**20
 BUDGET = "2.3MiB"
 # Everything but the layouts: the space is data=2 (plain DDP) or tensor=2.
 NOT_LAYOUTS = ["zero1", "zero2", "fsdp", "checkpoint", "amp_native", "module_replace", "pipeline_parallel",
-               "mixed_parallel"]
+               "mixed_parallel", "fused_optimizer", "native_dynamo"]
 
 
 def _llama(heads: int = 4, layers: int = 2, hidden: int = 64, seed: int = 0):
