@@ -178,8 +178,9 @@ def _search_with_plain_estimated_slow(tmp_report, max_dryruns: int):
     seconds = cost.StepCost.seconds
     cost.StepCost.seconds = lambda self: seconds(self) * (3.0 if set(self.methods) <= {"parallel_mode"} else 1.0)
     prune.DOMINANCE = float("inf")
+    # (and no trial on the pick, whose dry run is beyond max_dryruns)
     excluded = ["amp_native", "module_replace", "checkpoint", "gradient_accumulation", "tensor_parallel",
-                "pipeline_parallel", "mixed_parallel"]
+                "pipeline_parallel", "mixed_parallel", "fused_optimizer", "native_dynamo"]
     return search_and_train(tmp_report, steps=1, excluded=excluded, max_dryruns=max_dryruns, **FAST)
 
 
