@@ -46,6 +46,18 @@ def test_overhead_benchmark_runs_and_writes_results(tmp_path):
     assert (tmp_path / "overhead.png").stat().st_size > 0
 
 
+def test_compiled_variants_benchmark_runs_and_writes_ratios_to_eager(tmp_path):
+    # the uncompiled variants (inductor's compile is the slow part; the GPU check's slow test runs it)
+    from benchmarks import compiled_variants
+
+    out = tmp_path / "compiled_variants"
+    markdown = compiled_variants.main(["--tiny", "--nproc", "1", "--repeats", "1", "--steps", "1", "--variants",
+                                       "fused_optimizer,bf16", "--out", str(out), "--plot", ""])
+    payload = json.loads(out.with_suffix(".json").read_text())
+    assert list(payload["samples"]) == ["eager", "fused_optimizer", "bf16"]  # eager always, first
+    assert "| eager |" in markdown and "| 1.000 |" in markdown and "| fused_optimizer |" in markdown
+
+
 def test_peers_benchmark_runs_against_accelerate(tmp_path):
     pytest.importorskip("accelerate")
     from benchmarks import peers
