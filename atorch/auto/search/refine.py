@@ -21,7 +21,7 @@ import statistics
 from atorch.auto.plan import plan_strategy
 from atorch.auto.registry import all_methods
 from atorch.auto.search.agree import all_ok, from_rank0
-from atorch.auto.search.candidate import MEASURED, PRUNED, CandidateResult
+from atorch.auto.search.candidate import FAILED, MEASURED, CandidateResult
 from atorch.auto.search.dryruns import judge, measure, record
 from atorch.auto.search.estimate import resolved
 from atorch.auto.search.pick import pick_winner
@@ -74,9 +74,7 @@ def _trial(run: SearchRun, pick: tuple, name: str, config: dict, estimate) -> tu
     """The pick with ``name`` added, as a report row; returned when it is kept."""
     strategy = _planned(run, pick[0], name, config)
     if isinstance(strategy, Strategy) and estimate is not None:
-        row = estimate(strategy)
-        if row.reason is not None:  # a config error, or over the budget by its estimate
-            row.status, row.pruned_by = PRUNED, CANNOT_PAY
+        row = estimate(strategy)  # a config error or over the budget: pruned there, by its own rule
     else:
         row = CandidateResult(_with(pick[0], name, config).to_dict(), layout=pick[1].layout)
     run.results.append((strategy if isinstance(strategy, Strategy) else _with(pick[0], name, config), row))
@@ -128,7 +126,7 @@ def _timed_trial(run: SearchRun, pick: tuple, strategy: Strategy, row: Candidate
                                     max(run.options.warmup_steps, 1), run.options.dryrun_timeout)
     row.seconds = outcome["seconds"]
     if outcome["reason"] is not None:
-        row.reason, row.pruned_by = f"tried on the pick, failed: {outcome['reason']}", NOT_FASTER
+        row.status, row.reason = FAILED, f"tried on the pick side by side, failed: {outcome['reason']}"
         return None
     picks, trials = outcome["turn_seconds"]  # the pick was built first
     warmup = outcome.get("warmup_seconds") or [0.0, 0.0]
@@ -146,14 +144,12 @@ def _timed_trial(run: SearchRun, pick: tuple, strategy: Strategy, row: Candidate
         return None
     outcome = measure(run, strategy, row, run.options.timed_steps, run.options.dryrun_timeout, run.time_left())
     if outcome["reason"] is not None:
-        row.status, row.reason = PRUNED, f"kept side by side ({figures}), then its dry run failed: {outcome['reason']}"
-        row.pruned_by = NOT_FASTER
+        row.status, row.reason = FAILED, f"faster side by side ({figures}), then its dry run failed: {outcome['reason']}"
         return None
     record(row, outcome, run.global_batch)
     row.measured_peak_bytes = outcome["measured_peak_bytes"]
-    judge(row, run.options)
+    judge(row, run.options)  # FAILED, with why, where its measured peak is over the budget
     if row.status != MEASURED:
-        row.status, row.pruned_by = PRUNED, NOT_FASTER
         return None
     row.reason = f"kept on the pick: {figures}"
     return strategy, row

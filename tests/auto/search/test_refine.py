@@ -61,6 +61,7 @@ def test_a_compile_that_cannot_pay_over_the_planned_steps_is_not_tried():
     why = cannot_pay(config, 0.005, 1000, "cpu")
     assert "1000 planned steps" in why and "planned_steps" in why
     assert cannot_pay(config, 0.005, 100_000, "cpu") is None  # 250 s of possible saving
+    assert cannot_pay(config, 0.030, 1000, "cpu") is not None  # 15 s: less than two 8 s compiles
     assert cannot_pay(NativeDynamoConfig(backend="aot_eager"), 0.005, 10, "cpu") is None  # no C++ compile
 
 
