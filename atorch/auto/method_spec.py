@@ -124,6 +124,10 @@ class MethodSpec:
     # not what a rank holds (torch.compile, a fused optimizer step), so it is tried on the pick
     # alone, timed side by side with it and kept where it runs faster (atorch/auto/search/refine.py).
     tried_on_pick: bool = False
+    # ``(ctx, config) -> reason | None``: why this job (its optimizer, ...: a ModelContext) cannot
+    # use the method, so the search does not try it on the pick (fused_optimizer beside an
+    # optimizer with no fused step, as a trainer's wrapped ``configure_optimizers`` is).
+    job_unsupported: Callable[[Any, MethodConfig], str | None] | None = None
     # Configs of a method that is otherwise searched as usual, tried on the pick alone the same
     # way (added, or in place of the pick's config of it): module_replace's liger kernels.
     pick_trials: tuple[dict, ...] = ()

@@ -47,6 +47,15 @@ def optimizer_keywords(optim_func, impl: str) -> dict:
     return {impl: True, **({other: False} if other in parameters else {})}
 
 
+def job_unsupported(ctx: ModelContext, config: FusedOptimizerConfig) -> str | None:
+    """Why this job's optimizer has no such step (the search does not try the method then)."""
+    try:
+        optimizer_keywords(ctx.optim_func, config.impl)
+    except MethodConfigError as error:
+        return str(error)
+    return None
+
+
 def select_step(ctx: ModelContext, config: FusedOptimizerConfig) -> None:
     """Every optimizer this job builds (the plain one, ZeRO's, fairscale's) gets the keywords."""
     if ctx.optim_func is None:
@@ -69,6 +78,7 @@ register_method(
         description="the optimizer's fused (or multi-tensor) step: the same update in fewer kernels",
         search_space=({},),
         tried_on_pick=True,
+        job_unsupported=job_unsupported,
         cost_term=cost_term,
     )
 )

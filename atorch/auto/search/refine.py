@@ -57,12 +57,16 @@ def refine_pick(run: SearchRun, excluded=None, estimate=None) -> None:
 
 def _trial_configs(run: SearchRun, spec, pick: Strategy, excluded: set) -> list[dict]:
     """The configs of ``spec`` to try on ``pick``: a ``tried_on_pick`` method's search space (when
-    the pick lacks it), or its ``pick_trials``; none that this device cannot run (liger's kernels
-    on a CPU) or that the user excluded."""
+    the pick lacks it), or its ``pick_trials``; none that this device or this job cannot run
+    (liger's kernels on a CPU, a fused step for an optimizer without one) or that the user excluded."""
     if spec.name in excluded or (spec.applies_to is not None and not spec.applies_to(run.model)):
         return []
     configs = (spec.search_space if spec.name not in pick else ()) if spec.tried_on_pick else spec.pick_trials
-    return [c for c in configs if spec.unsupported is None or spec.unsupported(run.device_ctx, spec.config_cls(**c)) is None]
+    configs = [c for c in configs if spec.unsupported is None or spec.unsupported(run.device_ctx, spec.config_cls(**c)) is None]
+    if spec.job_unsupported is not None and configs:
+        job = run.make_context(run.model)
+        configs = [c for c in configs if spec.job_unsupported(job, spec.config_cls(**c)) is None]
+    return configs
 
 
 def _with(pick: Strategy, name: str, config: dict) -> Strategy:
@@ -134,8 +138,6 @@ def _timed_trial(run: SearchRun, pick: tuple, strategy: Strategy, row: Candidate
     spread = once / run.options.planned_steps
     charged = [t + spread for t in trials[:len(picks)]]
     pick_band = pick_behind(picks, charged)
-    row.side_by_side = run.global_batch / statistics.median(charged)
-    row.side_by_side_seconds = charged
     figures = (f"side by side the pick ran {pick_band[0]:.3f}x the trial's step (band {pick_band[1]:.3f}-"
                f"{pick_band[2]:.3f}), the trial's warm-up {once:.1f}s longer, spread over "
                f"{run.options.planned_steps} planned steps")
