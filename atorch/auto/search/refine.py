@@ -19,7 +19,7 @@ Each trial is a row of the report: kept (measured), or pruned with the figures t
 import statistics
 
 from atorch.auto.plan import plan_strategy
-from atorch.auto.registry import all_methods
+from atorch.auto.registry import all_methods, get_method
 from atorch.auto.search.agree import all_ok, from_rank0
 from atorch.auto.search.candidate import FAILED, MEASURED, CandidateResult
 from atorch.auto.search.dryruns import judge, measure, record
@@ -89,7 +89,7 @@ def _trial(run: SearchRun, pick: tuple, name: str, config: dict, estimate) -> tu
     if row.reason is not None:
         return None
     step = run.global_batch / (pick[1].side_by_side or pick[1].throughput)
-    spec = next(s for s in all_methods() if s.name == name)
+    spec = get_method(name)
     why = spec.cannot_pay(spec.config_cls(**config), step, run.options.planned_steps,
                           run.device_ctx.device.type) if spec.cannot_pay else None
     if why is not None:
