@@ -69,6 +69,12 @@ class Comm:
     # the method that launches them: each message carries that method's calibrated host overhead
     # per launch (the profile's method_seconds; see StepCost.overheads)
     method: str = ""
+    # ``elements`` are one micro-batch's, moved again for each micro-batch of gradient accumulation
+    # (a weight gathered for each forward); otherwise the step's (activations: the step's tokens)
+    each_micro_batch: bool = False
+    # bytes an element, where they do not follow the compute dtype (fp32 weights and gradients
+    # gathered or reduced under amp); None: the compute dtype's
+    element_bytes: int | None = None
 
 
 @dataclass
@@ -366,7 +372,8 @@ class StepCost:
         for c in self.comms:
             if self.size(c.dim) > 1:
                 bandwidth, latency = self._link((c.dim,), c.kind)
-                comm += c.elements * element * c.factor / bandwidth + c.messages * self.accumulation * latency
+                elements = c.elements * (self.accumulation if c.each_micro_batch else 1)
+                comm += elements * (c.element_bytes or element) * c.factor / bandwidth + c.messages * self.accumulation * latency
         return compute * self.bubble_factor() + comm + self.stepped * self.optimizer_rate() + (0.0 if on_device
                                                                                                  else host)
 

@@ -15,7 +15,6 @@ gradient hooks take DDP's place (see docs/intra_layer.md).
 import math
 from typing import Literal
 
-import torch
 from pydantic import Field, model_validator
 
 from atorch.auto.config_types import MethodConfig
@@ -352,32 +351,9 @@ def cost_term(config: TensorParallelConfig, cost) -> None:
     if config.algorithm != "3d":
         tensor_terms(cost, cost.size("tensor"), "sequence_parallel" in cost.methods)
     else:
+        from atorch.intra_layer.cost import terms_3d
+
         terms_3d(cost, *config.grid)
-
-
-def terms_3d(cost, row: int, col: int, depth: int) -> None:
-    """Memory and compute of AxoNN's 3d algorithm: each nn.Linear whose input features divide by
-    ``col`` and output features by ``row x depth`` keeps 1 / (row x col x depth) of its weight,
-    gradient and optimizer state on a rank, and gathers its row x column block over depth in
-    forward, which autograd keeps for the layer's backward; the batch is split over depth. Until this term the
-    3d algorithm split nothing (125.5 GiB a rank for 7B on tensor=8, estimated). Its collectives
-    inside the layers are not costed."""
-    cost.grad_buckets = False  # hooks reduce each gradient over its own group: no DDP
-    tensor = row * col * depth
-    if tensor <= 1:
-        return
-    linears = [m for m in cost.model.modules() if type(m) is torch.nn.Linear
-               and m.in_features % col == 0 and m.out_features % (row * depth) == 0]
-    sizes = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in linears]
-    whole = max(cost.param_bytes(), 1)
-    share = 1 - sum(sizes) / whole * (1 - 1 / tensor)
-    cost.split_model(share)
-    cost.split *= share
-    if depth > 1:  # each layer's gathered block is saved for its backward: all of them at forward's end
-        cost.gathered += sum(sizes) * cost.weight_scale / (row * col)
-    cost.activations /= depth
-    linear = sum(sizes) / whole  # the Linears' share of the FLOPs, by their share of the parameters
-    cost.compute_share *= linear / tensor + (1 - linear) / depth
 
 
 def leaves_whole(model, config: TensorParallelConfig) -> str | None:

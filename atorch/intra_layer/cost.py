@@ -1,0 +1,133 @@
+"""The cost model's term for ``tensor_parallel``'s 3d algorithm: what a rank holds and computes,
+and the collectives :class:`atorch.intra_layer.Linear` makes, counted as its code makes them.
+
+Each replaced layer (``in`` x ``out``; grid row R x column C x depth D; T tokens a rank, the
+batch split over depth) in one micro-batch:
+
+- R > 1: its output gathered over the row group in forward (T x out), its input's gradient
+  all-reduced over it in backward (T x in / C);
+- C > 1: its partial sums all-reduced over the column group in forward (T x out / R), its
+  input's gradient gathered in backward (T x in);
+- D > 1: its weight block gathered over depth in forward, the block's gradient
+  reduce-scattered in backward (the parameter's bytes, also under amp);
+- a checkpointed block reruns its forward: each gather of a weight block again, and the
+  activation collectives of each layer but its last (torch stops recomputing once backward has
+  every tensor it needs: the last layer's output is taken by the residual add only);
+- the gradient hooks all-reduce each replicated parameter's gradient over data x depth, one
+  collective a parameter, each backward.
+
+On 2 gloo ranks a 2-layer Llama's counted step equals these, grid by grid
+(tests/auto/search/test_cost_traffic.py).
+"""
+
+import torch
+
+from atorch.auto.step_cost import Comm
+
+
+def terms_3d(cost, row: int, col: int, depth: int) -> None:
+    """Memory, compute and collectives of AxoNN's 3d algorithm on ``cost``'s model: each nn.Linear
+    whose input features divide by ``col`` and output features by ``row x depth`` keeps
+    1 / (row x col x depth) of its weight, gradient and optimizer state on a rank, and gathers its
+    row x column block over depth in forward, which autograd keeps for the layer's backward; the
+    batch is split over depth."""
+    cost.grad_buckets = False  # hooks reduce each gradient over its own group: no DDP
+    tensor = row * col * depth
+    if tensor <= 1:
+        return
+    linears = replaced_linears(cost.model, col, row * depth)
+    sizes = [_bytes(m) for _, m in linears]
+    whole = max(cost.param_bytes(), 1)
+    share = 1 - sum(sizes) / whole * (1 - 1 / tensor)
+    cost.split_model(share)
+    cost.split *= share
+    if depth > 1:  # each layer's gathered block is saved for its backward: all of them at forward's end
+        cost.gathered += sum(sizes) * cost.weight_scale / (row * col)
+    cost.activations /= depth
+    linear = sum(sizes) / whole  # the Linears' share of the FLOPs, by their share of the parameters
+    cost.compute_share *= linear / tensor + (1 - linear) / depth
+    _layer_comms(cost, linears, row, col, depth)
+    _replica_comms(cost, linears, depth)
+
+
+def replaced_linears(model: torch.nn.Module, col: int, rows: int) -> list[tuple[str, torch.nn.Linear]]:
+    """The layers ``intra_layer.parallelize_model`` replaces: plain nn.Linear (no subclass), not
+    the root, weight not shared with another module, in features dividing by ``col`` and out
+    features by ``rows`` (row x depth)."""
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    return [(name, m) for name, m in model.named_modules()
+            if name and type(m) is torch.nn.Linear and uses.get(id(m.weight), 0) <= 1
+            and m.in_features % col == 0 and m.out_features % rows == 0]
+
+
+def _bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _checkpointed(cost, linears) -> tuple[set[str], set[str]]:
+    """(layers whose forward reruns, layers whose activation collectives rerun) under checkpoint:
+    every replaced layer inside a checkpointed block, and all of a block's but its last."""
+    if "checkpoint" not in cost.methods:
+        return set(), set()
+    from atorch.utils.modules import find_block_classes
+
+    classes = tuple(find_block_classes(cost.model))
+    blocks = [name for name, m in cost.model.named_modules() if classes and isinstance(m, classes)]
+    rerun, collectives = set(), set()
+    for block in blocks:
+        inside = [name for name, _ in linears if name.startswith(block + ".")]
+        rerun.update(inside)
+        collectives.update(inside[:-1])
+    return rerun, collectives
+
+
+def _layer_comms(cost, linears, row: int, col: int, depth: int) -> None:
+    """The collectives inside the replaced layers (the module docstring), as Comms over ``tensor``."""
+    tokens = cost.tokens / depth * cost.stage_share
+    rerun, again = _checkpointed(cost, linears)
+    # (group size, kind, weight bytes an element or None) -> [elements, calls]; the activations'
+    # are the step's tokens already and follow the compute dtype, the weight blocks' are gathered
+    # again for each micro-batch in the parameters' dtype
+    sums: dict[tuple[int, str, int | None], list[float]] = {}
+
+    def add(size: int, kind: str, elements: float, calls: int, weights: int | None = None) -> None:
+        entry = sums.setdefault((size, kind, weights), [0.0, 0])
+        entry[0] += elements
+        entry[1] += calls
+
+    for name, m in linears:
+        times = 2 if name in again else 1
+        if row > 1:
+            add(row, "all_gather", tokens * m.out_features * times, times)
+            add(row, "all_reduce", tokens * m.in_features / col, 1)
+        if col > 1:
+            add(col, "all_reduce", tokens * m.out_features / row * times, times)
+            add(col, "all_gather", tokens * m.in_features, 1)
+        if depth > 1:
+            block = m.weight.numel() / (row * col) * cost.stage_share
+            gathers = 2 if name in rerun else 1
+            add(depth, "all_gather", block * gathers, gathers, m.weight.element_size())
+            add(depth, "reduce_scatter", block, 1, m.weight.element_size())
+    for (size, kind, weights), (elements, calls) in sums.items():
+        factor = 2 * (size - 1) / size if kind == "all_reduce" else (size - 1) / size
+        cost.comms.append(Comm("tensor", elements, max(1, round(calls * cost.stage_share)), factor, kind,
+                               "tensor_parallel", each_micro_batch=weights is not None, element_bytes=weights))
+
+
+def _replica_comms(cost, linears, depth: int) -> None:
+    """With no data dim beside it, the hooks' sync over depth (the data-parallel sync charges it
+    over data x depth otherwise): each replicated trainable parameter's gradient all-reduced, one
+    collective each, every backward, and the step's loss count (24 bytes)."""
+    if depth <= 1 or cost.dp_size > 1:
+        return
+    sharded = {id(m.weight) for _, m in linears}
+    replicated = [p for p in cost.model.parameters() if p.requires_grad and id(p) not in sharded]
+    factor = 2 * (depth - 1) / depth
+    if replicated:  # gradients in the parameters' dtype (fp32 under amp too)
+        payload = sum(p.numel() * p.element_size() for p in replicated) / 4
+        cost.comms.append(Comm("tensor", payload * cost.stage_share, len(replicated), factor, "all_reduce",
+                               "tensor_parallel", each_micro_batch=True, element_bytes=4))
+    # [count, sum, samples] in float64 (atorch/loss/step.py)
+    cost.comms.append(Comm("tensor", 3, 1, factor, "all_reduce", "tensor_parallel", element_bytes=8))
