@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from atorch.cli.main import main
 
 
@@ -16,6 +18,7 @@ def test_calibrate_one_rank_caches_and_reuses(tmp_path, capsys):
     assert path.read_text() == written
 
 
+@pytest.mark.slow  # -m slow; by default: tests/auto/search/test_calibrate.py calibrates on 2 ranks
 def test_calibrate_spawns_gloo_ranks_and_prints_each_collective(tmp_path, capsys, monkeypatch):
     assert main(["calibrate", "--nproc", "2", "--cache-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out

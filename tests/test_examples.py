@@ -41,6 +41,7 @@ def test_main_job_searches_then_trains_on_2_processes(tmp_path):
     assert loaded.candidates[loaded.winner].names == applied.opt_names
 
 
+@pytest.mark.slow  # -m slow; by default: tests/methods/test_expert_parallel.py trains expert_parallel
 def test_moe_example_spreads_the_experts_and_trains():
     pytest.importorskip("transformers")
     out = _run(TORCHRUN + ["--nproc_per_node", "2", "examples/train_moe.py", "--steps", "12"])

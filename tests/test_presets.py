@@ -79,6 +79,7 @@ def auto_accelerate_quiet(model, dataset, load_strategy):
                                load_strategy=load_strategy)
 
 
+@pytest.mark.slow  # -m slow; by default: the presets train on 2 ranks below
 def test_every_preset_on_gpt2_bert_and_llama():
     """Before, ddp_bf16_checkpoint and lora_fsdp_bf16 named LlamaDecoderLayer and failed on GPT-2
     and BERT; now the generic files detect the blocks, and the Llama file says how to fix it."""

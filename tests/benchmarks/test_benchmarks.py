@@ -33,6 +33,7 @@ def test_interleave_alternates_order_and_counts_steps():
     assert harness.ratio({"x": [2.0, 4.0, 6.0], "y": [1.0, 2.0, 3.0]}, "x", "y") == pytest.approx(2.0)
 
 
+@pytest.mark.slow  # -m slow; by default: the compiled_variants and plan_llama benchmarks stay in it
 def test_overhead_benchmark_runs_and_writes_results(tmp_path):
     from benchmarks import overhead
 
@@ -58,6 +59,7 @@ def test_compiled_variants_benchmark_runs_and_writes_ratios_to_eager(tmp_path):
     assert "| eager |" in markdown and "| 1.000 |" in markdown and "| fused_optimizer |" in markdown
 
 
+@pytest.mark.slow  # -m slow; by default: the compiled_variants and plan_llama benchmarks stay in it
 def test_peers_benchmark_runs_against_accelerate(tmp_path):
     pytest.importorskip("accelerate")
     from benchmarks import peers
@@ -168,6 +170,7 @@ def test_plan_llama_benchmark_runs_and_writes_results(tmp_path):
     assert "7B" in markdown and cases[0]["top"] and cases[0]["top"][0]["reason"] == "fastest that fits"
 
 
+@pytest.mark.slow  # -m slow; by default: the loss itself is tested in tests/loss and tests/integrations
 def test_loss_normalization_benchmark_runs_and_writes_results(tmp_path):
     from benchmarks import loss_normalization
 
@@ -177,6 +180,7 @@ def test_loss_normalization_benchmark_runs_and_writes_results(tmp_path):
     assert "| ddp |" in markdown and out.with_suffix(".json").exists()
 
 
+@pytest.mark.slow  # -m slow; by default: plan --search on a MoE model is tested in tests/auto/search/test_moe_plan.py
 def test_plan_moe_benchmark_sets_the_pick_and_the_published_layout_beside_the_published_run(tmp_path):
     pytest.importorskip("transformers")
     from benchmarks import plan_moe

@@ -92,7 +92,8 @@ def test_a_checkpoint_of_slices_sharded_over_their_copies_loads_on_fewer_ranks(t
     assert resumed == pytest.approx(uninterrupted, rel=1e-5)
 
 
-@pytest.mark.parametrize("in_one_process", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # -m slow; by default: slices load on fewer ranks below
+@pytest.mark.parametrize("in_one_process", [False, True])
 def test_a_checkpoint_under_zero1_beside_expert_parallel_loads_elsewhere(tmp_path, in_one_process):
     """zero1 beside expert_parallel on 4 ranks (groups of 2): each rank writes the state of the
     shared weights it owns and of its own experts' slices; loaded under expert_parallel on 2 ranks

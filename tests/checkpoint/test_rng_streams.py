@@ -5,6 +5,7 @@ first forward raised KeyError 'model-parallel-rng' is not set)."""
 
 import math
 
+import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
@@ -58,6 +59,7 @@ def load_under_tensor_parallel(directory: str) -> dict:
     return {"loss": _step(result), "streams": streams, "expected": [MODEL_PARALLEL_RNG]}
 
 
+@pytest.mark.slow  # -m slow; by default: the resume matrix loads dropout runs under tensor_parallel
 def test_a_ddp_checkpoint_loads_into_tensor_parallel_in_new_processes(tmp_path):
     run_distributed(save_under_ddp, 2, str(tmp_path / "ckpt"), fresh=True)
     out = run_distributed(load_under_tensor_parallel, 2, str(tmp_path / "ckpt"), fresh=True)

@@ -32,6 +32,7 @@ def load_under_pipeline(directory: str) -> list[float]:
     return train(result, 2)
 
 
+@pytest.mark.slow  # -m slow; by default: the resume matrix resumes a tied Llama under each strategy
 def test_a_tied_gpt2_saved_under_fsdp_resumes_under_a_pipeline(tmp_path):
     pytest.importorskip("transformers")
     uninterrupted = run_distributed(save_under_fsdp, 2, str(tmp_path / "ck"), fresh=True)[0]

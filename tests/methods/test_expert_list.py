@@ -136,6 +136,7 @@ def _save(directory: str) -> list[float]:
         return [result.model(input_ids=ids, labels=ids).loss.item()]
 
 
+@pytest.mark.slow  # -m slow; by default: tests/checkpoint/test_expert_resume.py loads slices elsewhere
 def test_a_checkpoint_of_modulelist_experts_loads_in_one_process(tmp_path):
     """Each rank writes its own experts under their names; one process reads them all back."""
     pytest.importorskip("transformers")

@@ -53,7 +53,7 @@ def _train(kind: str, strategy: list, clip: float | None = None) -> dict:
     return {"losses": losses, "weights": weights, "held": held, "norms": norms}
 
 
-@pytest.mark.parametrize("kind, world", [("mixtral", 2), ("mixtral", 4), ("qwen2_moe", 2),
+@pytest.mark.parametrize("kind, world", [("mixtral", 2), pytest.param("mixtral", 4, marks=pytest.mark.slow), ("qwen2_moe", 2),
                                          pytest.param("qwen2_moe", 4, marks=pytest.mark.slow)])
 def test_expert_parallel_equals_the_single_process(kind, world):
     pytest.importorskip("transformers")

@@ -76,6 +76,7 @@ def search_mlp(report_file, memory_budget, **kwargs):
     return {"status": True, "strategy": strategy.opt_names, "loss": loss.item()}
 
 
+@pytest.mark.slow  # -m slow; by default: tests/auto/search/test_search.py picks a sharded strategy under a budget
 def test_a_budget_just_under_the_estimates_returns_a_sharded_strategy_that_fits(tmp_path):
     """The repro of issue 18: every sharded candidate was estimated a little over 12 MiB (they
     are estimated at 10.1-12.3 MiB since the probe measures the backward); the answer used to be
