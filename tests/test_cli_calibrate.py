@@ -7,7 +7,7 @@ import pytest
 from atorch.cli.main import main
 
 
-def test_calibrate_one_rank_caches_and_reuses(tmp_path, capsys):
+def test_calibrate_one_rank_caches_reuses_and_refreshes(tmp_path, capsys):
     assert main(["calibrate", "--nproc", "1", "--cache-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     path = tmp_path / "cpu-world1.json"
@@ -16,6 +16,10 @@ def test_calibrate_one_rank_caches_and_reuses(tmp_path, capsys):
     assert main(["calibrate", "--nproc", "1", "--cache-dir", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == json.loads(written)  # read back, not measured again
     assert path.read_text() == written
+    # --refresh measures again and rewrites the file (the rates of two measurements differ)
+    assert main(["calibrate", "--nproc", "1", "--cache-dir", str(tmp_path), "--refresh", "--json"]) == 0
+    refreshed = json.loads(capsys.readouterr().out)
+    assert path.read_text() != written and json.loads(path.read_text()) == refreshed
 
 
 @pytest.mark.slow  # -m slow; by default: tests/auto/search/test_calibrate.py calibrates on 2 ranks

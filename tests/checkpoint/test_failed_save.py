@@ -73,7 +73,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("how", ["killed", "stopped"])
+# a stopped rank mid-load stays in the default run (test_failed_load.py); mid-save with -m slow
+@pytest.mark.parametrize("how", ["killed", pytest.param("stopped", marks=pytest.mark.slow)])
 def test_a_rank_killed_or_stopped_mid_save_is_a_checkpoint_error_on_the_other(tmp_path, how):
     """Killed: gloo sees the closed connection at once. Stopped (SIGSTOP; a frozen filesystem
     looks the same): only the save's ``timeout`` (3 s here) ends the wait, within 3 s more;

@@ -372,7 +372,7 @@ def _search_moe(report_file: str, included: list) -> list:
     return strategy.opt_names
 
 
-@pytest.mark.parametrize("included", [[], ["expert_parallel"]])
+@pytest.mark.parametrize("included", [[], pytest.param(["expert_parallel"], marks=pytest.mark.slow)])  # -m slow
 def test_the_search_weighs_expert_parallel_on_a_moe_model(tmp_path, included):
     """With routed experts, the search's space has expert_parallel (with and without zero1); each such candidate is estimated with its cost term and dry-run like any
     other. Named in ``included``, every candidate has it and the pick trains."""
