@@ -47,7 +47,14 @@ def block_of(model: nn.Module, name: str) -> nn.Module:
 
 
 def experts_summary(model: nn.Module) -> tuple[int, float] | None:
-    """(how many MoE blocks, the routed experts' share of the parameters), or None when dense."""
+    """(how many MoE blocks, the routed experts' share of the parameters), or None when dense.
+    Kept while a plan or search costs its candidates (every candidate with tensor_parallel asks)."""
+    from atorch.utils.memo import once
+
+    return once(("experts summary", id(model)), lambda: _summary(model))
+
+
+def _summary(model: nn.Module) -> tuple[int, float] | None:
     found = routed_experts(model)
     if not found:
         return None

@@ -35,15 +35,24 @@ def log_on_all_ranks(enabled: bool = True) -> None:
     _ALL_RANKS = enabled
 
 
+_QUIET: list[int] = []  # the levels of the quiet() blocks we are in
+
+
+class _QuietFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _QUIET or record.levelno >= max(_QUIET)
+
+
 @contextlib.contextmanager
 def quiet(level: int = logging.WARNING):
-    """Only records at ``level`` or above while inside (the search's trial applications)."""
-    previous = logger.level
-    logger.setLevel(max(level, previous))
+    """Only records at ``level`` or above while inside (the search's trial applications). A filter
+    on the logger, not its level: ``setLevel`` clears every logger's cache, and a plan enters this
+    block thousands of times."""
+    _QUIET.append(level)
     try:
         yield
     finally:
-        logger.setLevel(previous)
+        _QUIET.pop()
 
 
 def _install_default_handler() -> None:
@@ -60,3 +69,4 @@ def _install_default_handler() -> None:
 
 
 _install_default_handler()
+logger.addFilter(_QuietFilter())
