@@ -168,11 +168,12 @@ class MethodSpec:
     # one by one (atorch.auto.search.timeline.UnitSpan, in ``StepCost.unit_spans``) for this
     # method's ``cost_term``, e.g. the pieces a pipeline cuts the model into; [] when it has none.
     probe_units: Callable[[Any], list[str]] | None = None
-    # A layout method (it splits the model over parallel dims): ``(world_size) -> [(dims,
-    # config), ...]``, the dims it takes (e.g. ``{"tensor": 2}``; data gets the remaining ranks)
-    # with the config the search tries on them. Keep it short: the search combines each layout
-    # with every combination of the other methods.
-    layouts: Callable[[int], Iterable[tuple[dict[str, int], dict]]] | None = None
+    # A layout method (it splits the model over parallel dims): ``(world_size, model=None) ->
+    # [(dims, config), ...]``, the dims it takes (e.g. ``{"tensor": 2}``; data gets the remaining
+    # ranks) with the config the search tries on them; ``model`` (when the caller has one) for
+    # choices that depend on it (a pipeline's virtual stages up to the layers a stage holds).
+    # Keep it short: the search combines each layout with every combination of the other methods.
+    layouts: Callable[..., Iterable[tuple[dict[str, int], dict]]] | None = None
     # ``ineligible(model, config, job)``: why this model cannot run the method on the layout of
     # ``job`` (heads the tensor size does not divide, fewer blocks than stages...), or None.
     # The search reports each ineligible layout with this reason and never builds it; for a

@@ -87,11 +87,11 @@ def split_and_shard(ctx: ModelContext, config: MixedParallelConfig) -> None:
     pipeline_model(ctx, config, "mixed_parallel", stage_transform=shard if tensor > 1 else None)
 
 
-def layouts(world_size: int) -> list[tuple[dict[str, int], dict]]:
+def layouts(world_size: int, model=None) -> list[tuple[dict[str, int], dict]]:
     # tensor x pipeline, both above 1 (one of them alone is tensor_parallel or pipeline_parallel);
     # microbatches and virtual stages (interleaved 1F1B) as for pipeline_parallel.
     return [({"tensor": t, **dims}, {"tensor_size": t, "pipeline_size": dims["pipeline"], **config})
-            for t in divisors(world_size) for dims, config in pipeline_layouts(world_size // t)]
+            for t in divisors(world_size) for dims, config in pipeline_layouts(world_size // t, model)]
 
 
 def ineligible(model: torch.nn.Module, config: MixedParallelConfig, job: LayoutJob) -> str | None:

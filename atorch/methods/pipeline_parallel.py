@@ -15,7 +15,7 @@ import torch
 from atorch.auto.context import ModelContext
 from atorch.auto.method_spec import LayoutJob, MethodSpec, Stage, register_method
 from atorch.auto.step_cost import Comm
-from atorch.errors import AtorchConfigError
+from atorch.errors import AtorchConfigError, NotSupportedError
 from atorch.pipeline import pipeline_eligibility
 from atorch.pipeline.auto import PipelineFields, check_fields, pipeline_model, with_stage_microbatches
 from atorch.pipeline.layouts import layout_for
@@ -43,13 +43,36 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(2, n + 1) if n % d == 0]
 
 
-def layouts(world_size: int) -> list[tuple[dict[str, int], dict]]:
-    # Microbatches: as many as stages (the fewest that fill the pipeline) and twice that (half
-    # the bubble, smaller matmuls); the 1F1B schedule, and interleaved 1F1B with 2 or 4 virtual
-    # stages a rank (the bubble halved and quartered, the sends doubled and quadrupled; a model
-    # needs 2 or 4 x stages layers for it: pipeline_ineligible says so otherwise).
+def layouts(world_size: int, model=None) -> list[tuple[dict[str, int], dict]]:
+    """Microbatches: as many as stages (the fewest that fill the pipeline) and twice that (half
+    the bubble, smaller matmuls); the 1F1B schedule, and interleaved 1F1B with the virtual stages
+    of :func:`virtual_choices` (2 halves the bubble and doubles the sends; a model needs 2 x
+    stages layers for it: pipeline_ineligible says so otherwise)."""
     return [({"pipeline": p}, {"num_microbatches": m, **({"virtual_pipeline_size": v} if v > 1 else {})})
-            for p in divisors(world_size) for m in (p, 2 * p) for v in (1, 2, 4)]
+            for p in divisors(world_size) for m in (p, 2 * p) for v in virtual_choices(p, model)]
+
+
+def virtual_choices(stages: int, model=None) -> tuple[int, ...]:
+    """Virtual stages a rank the search tries on ``stages``: 1, 2 and 4; and where ``model``'s
+    layers divide by the stages into more than 4 a stage, the fewest above 4 that divide them and
+    one layer each (an 80-layer Llama on 4 stages: 5, NeMo's Llama 3 70B recipe, and 20)."""
+    layers = None if model is None else layer_count(model)
+    each = layers // stages if layers and layers % stages == 0 else 0
+    more = [v for v in range(5, each + 1) if each % v == 0]
+    return (1, 2, 4, *sorted({more[0], more[-1]})) if more else (1, 2, 4)
+
+
+def layer_count(model: torch.nn.Module) -> int | None:
+    """The repeated layers PipelineModel balances over stages, or None where no layout splits the
+    model without a trace (a traced model's count needs its batch: the 1, 2 and 4 stay)."""
+    def count():
+        try:
+            layout = layout_for(model)
+        except (AtorchConfigError, NotSupportedError):
+            return None
+        return None if getattr(layout, "traced", False) else len(layout.layer_units)
+
+    return once(("pipeline layer count", id(model)), count)
 
 
 def stage_ranges(model: torch.nn.Module, config: PipelineFields, stages: int) -> list[list[str]]:

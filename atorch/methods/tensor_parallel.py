@@ -101,7 +101,7 @@ def shard(ctx: ModelContext, config: TensorParallelConfig) -> None:
                 ", ".join(f"{n} {k}" for k, n in kinds.items()))
 
 
-def layouts(world_size: int) -> list[tuple[dict[str, int], dict]]:
+def layouts(world_size: int, model=None) -> list[tuple[dict[str, int], dict]]:
     # The 1d algorithm over every tensor size that divides the world (3d grids are not searched).
     return [({"tensor": t}, {}) for t in range(2, world_size + 1) if world_size % t == 0]
 

@@ -66,7 +66,7 @@ def layout_space(model, device_ctx: DeviceContext, global_batch: int | None = No
         return eligible, ineligible
     with kept():  # layouts with as many pipeline stages share one trace of the model (its eligibility)
         for spec in forced or specs:
-            for sizes, raw in spec.layouts(world):
+            for sizes, raw in spec.layouts(world, model=model):
                 taken = math.prod(sizes.values())
                 if world % taken:
                     continue
