@@ -168,6 +168,11 @@ def test_plan_llama_benchmark_runs_and_writes_results(tmp_path):
     markdown = plan_llama.main(["--tiny", "--out", str(tmp_path / "plan_llama")])
     cases = json.loads((tmp_path / "plan_llama.json").read_text())["cases"]
     assert "7B" in markdown and cases[0]["top"] and cases[0]["top"][0]["reason"] == "fastest that fits"
+    # the published presets found among the candidates: torchtitan's 7B preset is the pick itself
+    titan, nemo = cases[0]["published"]
+    assert titan["record"]["layout_text"] == cases[0]["top"][0]["layout_text"]
+    assert titan["record"]["methods"] == cases[0]["top"][0]["methods"]
+    assert nemo["record"]["layout"]["tensor"] == 2 and "zero1" in nemo["record"]["methods"]
 
 
 @pytest.mark.slow  # -m slow; by default: the loss itself is tested in tests/loss and tests/integrations
