@@ -1,5 +1,6 @@
 """``atorch plan --search``: hardware profiles, and layouts ranked on one with no hardware."""
 
+import dataclasses
 import json
 import re
 
@@ -272,8 +273,11 @@ def test_advice_when_nothing_fits_is_what_the_plan_itself_then_fits():
     config = Path(__file__).resolve().parents[1] / "docs" / "plans" / "llama70b.json"
     model = build_model(argparse.Namespace(hf_config=str(config), model=None), torch.bfloat16)
 
+    # without a host link in the profile: CPU offload (which fits it, below) is not planned
+    profile = dataclasses.replace(load_profile("h100_80gb"), host_link_bandwidth=0.0)
+
     def plan(world: int) -> list[dict]:
-        result = plan_search(model, world, 32, 4096, load_profile("h100_80gb"), 2.0, ["fp8", "module_replace"])
+        result = plan_search(model, world, 32, 4096, profile, 2.0, ["fp8", "module_replace"])
         return plan_report.records(result, world)
 
     advice = plan_report.nothing_fits(plan(8), 74 * 2**30)
@@ -281,6 +285,63 @@ def test_advice_when_nothing_fits_is_what_the_plan_itself_then_fits():
     assert "smaller micro-batch" not in advice
     ranks = int(re.search(r"; (\d+) ranks \(", advice).group(1))
     assert ranks > 8 and any(r["fits"] for r in plan(ranks))
+
+
+def test_where_nothing_fits_fsdp_tries_cpu_offload():
+    """Issue 54, point 5: optimizer CPU offload (FSDP2's CPUOffloadPolicy: the shards, their
+    gradients and AdamW's state in host memory, the step on the CPU) is planned where nothing fits
+    without it. A bf16 70B on 8 H100s then fits; what the device holds excludes the model states,
+    and the step pays the host link and the host's optimizer (estimated from the profile)."""
+    import argparse
+    from pathlib import Path
+
+    from atorch.cli import plan_report
+    from atorch.cli.common import build_model
+    from atorch.cli.plan_search import plan_search
+
+    pytest.importorskip("transformers")
+    config = Path(__file__).resolve().parents[1] / "docs" / "plans" / "llama70b.json"
+    model = build_model(argparse.Namespace(hf_config=str(config), model=None), torch.bfloat16)
+    profile = load_profile("h100_80gb")
+    result = plan_search(model, 8, 32, 4096, profile, 2.0, ["fp8", "module_replace"])
+    fitting = [r for r in plan_report.records(result, 8) if r["fits"]]
+    assert fitting and all(any("CPU offload" in m for m in r["methods"]) for r in fitting)
+    best = fitting[0]
+    assert best["memory_bytes"]["optim_state"] == 0 and best["memory_bytes"]["params"] == 0
+    # 16 B a parameter of model states on 8 ranks: 140 GB a rank stay on the host
+    assert best["memory_bytes"]["total"] < 74 * 2**30
+    # where something fits without it, offload is not tried
+    assert result["counts"]["offloaded"] > 0
+    small = build_model(argparse.Namespace(hf_config=str(config).replace("70b", "7b"), model=None), torch.bfloat16)
+    assert plan_search(small, 8, 32, 4096, profile, 2.0, ["fp8", "module_replace"])["counts"]["offloaded"] == 0
+
+
+def test_the_offload_term_moves_the_shards_to_the_host_and_charges_the_link():
+    from atorch.auto.plan import resolve_strategy
+    from atorch.auto.search.cost import build_cost
+    from atorch.auto.strategy import Strategy
+    from tests.helpers.hf import tiny_llama
+
+    with torch.device("meta"):
+        model = tiny_llama()
+    profile = load_profile("h100_80gb")
+
+    def cost(offload: bool):
+        strategy = resolve_strategy(model, Strategy(["parallel_mode", ("fsdp", {"cpu_offload": offload})]))
+        step = build_cost(model, strategy, {"data": 4}, 2.0, 0, 1e9, 4096, "cuda")
+        step.profile = profile
+        return step
+
+    kept, offloaded = cost(False), cost(True)
+    assert offloaded.params == offloaded.grads == offloaded.optim_state == 0 and kept.params > 0
+    # the shard copied in before each of its 2 gathers (forward, backward), its gradient out once
+    assert offloaded.host_transfer == pytest.approx(kept.params * 2 + kept.grads)
+    assert offloaded.optimizer_rate() == profile.host_optimizer_seconds_per_byte
+    assert offloaded.seconds() > kept.seconds()
+    # on a CPU the option changes nothing (fsdp turns it off there)
+    on_cpu = build_cost(model, resolve_strategy(model, Strategy(["parallel_mode", ("fsdp", {"cpu_offload": True})])),
+                        {"data": 4}, 2.0, 0, 1e9, 4096, "cpu")
+    assert on_cpu.params > 0 and on_cpu.host_transfer == 0
 
 
 def test_accumulation_tries_every_divisor_of_the_per_rank_batch():

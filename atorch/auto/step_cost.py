@@ -104,6 +104,9 @@ class StepCost:
     # seconds per byte timed on this device (0: not timed; then NOMINAL_FUSED_SHARE of the default's)
     optim_impl: str = ""
     fused_optim_seconds_per_byte: float = 0.0
+    # bytes a step copies between the device and its host (fsdp's CPU offload: shards in before
+    # each gather, gradient shards out after each reduce-scatter), at the profile's host link
+    host_transfer: float = 0.0
     # of forward_flops, those in attention kernels (they run at the profile's attention rate)
     attention_flops: float = 0.0
     # bytes one forward's operators without FLOPs read and write (ops.traffic), on the same batch
@@ -374,11 +377,15 @@ class StepCost:
                 bandwidth, latency = self._link((c.dim,), c.kind)
                 elements = c.elements * (self.accumulation if c.each_micro_batch else 1)
                 comm += elements * (c.element_bytes or element) * c.factor / bandwidth + c.messages * self.accumulation * latency
+        if self.host_transfer and self.profile is not None and self.profile.host_link_bandwidth:
+            comm += self.host_transfer / self.profile.host_link_bandwidth  # not overlapped: a bound from above
         return compute * self.bubble_factor() + comm + self.stepped * self.optimizer_rate() + (0.0 if on_device
                                                                                                  else host)
 
     def optimizer_rate(self) -> float:
         """Seconds the optimizer's step takes per byte it updates, as the methods chose the step."""
+        if self.optim_impl == "host" and self.profile is not None and self.profile.host_optimizer_seconds_per_byte:
+            return self.profile.host_optimizer_seconds_per_byte  # fsdp's CPU offload: the step runs on the host
         if self.optim_impl != "fused":
             return self.optim_seconds_per_byte
         return self.fused_optim_seconds_per_byte or self.optim_seconds_per_byte * NOMINAL_FUSED_SHARE

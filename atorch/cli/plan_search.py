@@ -84,12 +84,35 @@ def _plan_search(model, world: int, global_batch: int, seq_len: int, profile, st
         if index % 50 == 0:
             _progress(f"  [{index}/{len(candidates)}] costed")
         _cost_retries(strategy, dims, dp, global_batch, costed, fitted, rows)
+    if profile.offloads() and not any(r.get("fits") for r in rows):
+        _offload_pass(candidates, world, global_batch, costed, fitted, rows, counts)
     counts["costed"] = sum(1 for r in rows if "memory" in r)
     counts["over memory"] = sum(1 for r in rows if "memory" in r and not r["fits"])
     counts["no estimate"] = sum(1 for r in rows if "reason" in r)
     counts["fit"] = sum(1 for r in rows if r.get("fits"))
     return {"rows": rows, "counts": counts, "flops_per_token": flops_per_token, "memory": memory,
             "ineligible": [(layout.text, why) for layout, why in ineligible]}
+
+
+def _offload_pass(candidates, world: int, global_batch: int, costed, fitted: dict, rows: list, counts) -> None:
+    """Where nothing fits, each fsdp candidate again with its shards, their gradients and the
+    optimizer state in host memory (FSDP2's CPUOffloadPolicy, ``("fsdp", {"cpu_offload": True})``;
+    torch's AdamW steps them on the CPU): slower (every gather copies the shards in over PCIe, the
+    step runs on the host), so tried only when no candidate fits without it."""
+    from atorch.auto.search.estimate import layout_dims
+    from atorch.auto.strategy import Strategy
+    from atorch.distributed.topology import data_parallel_size
+
+    for strategy in candidates:
+        config = dict(strategy.items()).get("fsdp")
+        dims = layout_dims(strategy, world)
+        dp = data_parallel_size(dims)
+        if config is None or config.cpu_offload or global_batch % dp:
+            continue
+        offloaded = Strategy([(n, c.model_copy(update={"cpu_offload": True}) if n == "fsdp" else c)
+                              for n, c in strategy.items()])
+        counts["offloaded"] += 1
+        _cost_retries(offloaded, dims, dp, global_batch, costed, fitted, rows)
 
 
 class _MetaProbe:

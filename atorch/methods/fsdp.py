@@ -194,6 +194,23 @@ def cost_term(config: FsdpConfig, cost) -> None:
     # the next unit is gathered while this one computes; gradients reduced as backward makes them
     cost.sync_overlap = {"all_gather": ("forward", "backward"), "reduce_scatter": ("backward",)}
     accumulation_terms(cost, share, config.reduce_every_micro_batch)
+    if config.cpu_offload and cost.device_type == "cuda":
+        offload_terms(cost, config.reduce_every_micro_batch)
+
+
+def offload_terms(cost, every_micro_batch: bool) -> None:
+    """FSDP2's CPUOffloadPolicy (``cpu_offload``) on a GPU: the rank's shards of the parameters, of
+    their gradients and of the optimizer state live in host memory, and torch's AdamW steps them
+    there (``StepCost.optim_impl`` "host": the profile's host optimizer rate). Each all-gather
+    copies the unit's shard in first, each reduce-scatter copies the gradient shard out
+    (``StepCost.host_transfer``, at the profile's host link, not overlapped). What the device
+    holds is what a step gathers, computes and reduces. On a CPU the model already lives in host
+    memory: ``shard`` turns the option off, and this term is not applied."""
+    reduces = cost.accumulation if every_micro_batch else 1
+    cost.host_transfer += cost.params * cost.data_sync.get("params", 0) + cost.grads * reduces
+    cost.params = cost.grads = cost.optim_state = 0.0
+    cost.step_temp = 0.0
+    cost.optim_impl = "host"
 
 
 def accumulation_terms(cost, reduce_share: float, every_micro_batch: bool = False) -> None:

@@ -209,7 +209,9 @@ def method_labels(methods) -> list[str]:
             name = "checkpoint (selective)"
         elif name == "gradient_accumulation":
             name = f"gradient_accumulation x{field('steps', 2)}"
-        elif name == "fsdp" and field("reduce_every_micro_batch", False):
-            name = "fsdp (reduce every micro-batch)"
+        elif name == "fsdp":
+            notes = [text for key, text in (("reduce_every_micro_batch", "reduce every micro-batch"),
+                                            ("cpu_offload", "CPU offload")) if field(key, False)]
+            name = f"fsdp ({', '.join(notes)})" if notes else name
         labels.append(name)
     return labels

@@ -99,6 +99,16 @@ class HardwareProfile:
     # bytes per device training cannot use (CUDA context, communication buffers, the allocator's
     # fragmentation): a plan fits within memory - reserve
     reserve: int = 0
+    # bytes/s one device copies to or from its host, each way (PCIe): what fsdp's CPU offload moves
+    # its shards over; 0 (absent): offload is not planned on this profile
+    host_link_bandwidth: float = 0.0
+    # host seconds per byte of parameters the optimizer steps on the CPU (fsdp's CPU offload runs
+    # torch's AdamW there); 0 (absent): offload is not planned on this profile
+    host_optimizer_seconds_per_byte: float = 0.0
+
+    def offloads(self) -> bool:
+        """Whether the profile has what CPU offload's cost needs (the host link and optimizer)."""
+        return self.host_link_bandwidth > 0 and self.host_optimizer_seconds_per_byte > 0
 
     def peak(self, compute_dtype: str) -> float:
         """Peak dense FLOP/s for the cost model's compute dtype ("half" or "fp32")."""
@@ -191,6 +201,19 @@ def _memory_bandwidth(data: dict, path: Path) -> float:
     return value
 
 
+def _host(data: dict, path: Path) -> dict:
+    """The host link and host optimizer rate (0 when absent), each with a source when given."""
+    out = {}
+    for key in ("host_link_bandwidth", "host_optimizer_seconds_per_byte"):
+        value = float(data.get(key, 0.0))
+        if not (math.isfinite(value) and value >= 0):
+            raise UnknownProfileError(f"hardware profile {path}: {key} must not be negative (0: none)")
+        if value and key not in data["sources"]:
+            raise UnknownProfileError(f"hardware profile {path} gives no source for ['{key}'] (write it in 'sources')")
+        out[key] = value
+    return out
+
+
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -228,7 +251,8 @@ _SHAPES = {
     "attention": (lambda v: isinstance(v, str), "a text"),
     **{key: (_number, "a number") for key in ("overlap", "op_seconds", "checkpoint_save_seconds",
                                                  "wrapped_call_seconds", "kernel_seconds", "memory_bandwidth",
-                                                 "ranks_per_core")},
+                                                 "ranks_per_core", "host_link_bandwidth",
+                                                 "host_optimizer_seconds_per_byte")},
 }
 
 
@@ -302,5 +326,6 @@ def profile_from_data(data: dict, origin: str | Path = "profile") -> HardwarePro
         method_seconds=methods,
         ranks_per_core=_ranks_per_core(data, path),
         reserve=_reserve(data, path),
+        **_host(data, path),
         **host,
     )
