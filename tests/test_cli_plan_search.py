@@ -310,10 +310,8 @@ def test_where_nothing_fits_fsdp_tries_cpu_offload():
     assert best["memory_bytes"]["optim_state"] == 0 and best["memory_bytes"]["params"] == 0
     # 16 B a parameter of model states on 8 ranks: 140 GB a rank stay on the host
     assert best["memory_bytes"]["total"] < 74 * 2**30
-    # where something fits without it, offload is not tried
+    # (where something fits without it, offload is not tried: the plan_llama benchmark's test)
     assert result["counts"]["offloaded"] > 0
-    small = build_model(argparse.Namespace(hf_config=str(config).replace("70b", "7b"), model=None), torch.bfloat16)
-    assert plan_search(small, 8, 32, 4096, profile, 2.0, ["fp8", "module_replace"])["counts"]["offloaded"] == 0
 
 
 def test_the_offload_term_moves_the_shards_to_the_host_and_charges_the_link():

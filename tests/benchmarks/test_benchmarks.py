@@ -168,6 +168,7 @@ def test_plan_llama_benchmark_runs_and_writes_results(tmp_path):
     markdown = plan_llama.main(["--tiny", "--out", str(tmp_path / "plan_llama")])
     cases = json.loads((tmp_path / "plan_llama.json").read_text())["cases"]
     assert "7B" in markdown and cases[0]["top"] and cases[0]["top"][0]["reason"] == "fastest that fits"
+    assert "offloaded" not in cases[0]["counts"]  # CPU offload is tried only where nothing fits without it
     # the published presets found among the candidates: torchtitan's 7B preset is the pick itself
     titan, nemo = cases[0]["published"]
     assert titan["record"]["layout_text"] == cases[0]["top"][0]["layout_text"]
