@@ -45,7 +45,8 @@ def _llama(device: str):
         return LlamaForCausalLM(config)
 
 
-@pytest.mark.parametrize("methods", [[], pytest.param(["checkpoint"], marks=pytest.mark.slow),  # selective stays
+@pytest.mark.parametrize("methods", [pytest.param([], marks=pytest.mark.slow),  # -m slow; selective stays
+                                     pytest.param(["checkpoint"], marks=pytest.mark.slow),
                                      [("checkpoint", {"selective": True})]],
                          ids=["plain", "checkpoint", "selective"])
 def test_a_plan_on_meta_matches_the_real_probe_and_the_measured_peak(methods):
