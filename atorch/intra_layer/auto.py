@@ -71,16 +71,22 @@ def parallelize_model(model: nn.Module, topology: Topology | None = None, *, bat
     and layers whose sizes do not divide the grid.
     """
     topology = topology if topology is not None else current()
+    replaced = []
+    for name, module in replaceable_linears(model, topology.size("col"), topology.size("row") * topology.size("depth")):
+        model.set_submodule(name, Linear.from_linear(module, topology=topology, batch_per_rank=batch_per_rank))
+        replaced.append(name)
+    return replaced
+
+
+def replaceable_linears(model: nn.Module, col: int, rows: int) -> list[tuple[str, nn.Linear]]:
+    """The layers :func:`parallelize_model` replaces on a grid of ``col`` column ranks and ``rows``
+    row x depth ranks (the cost model counts the same ones): plain ``nn.Linear`` (no subclass), not
+    the root, weight not shared with another module, input features dividing by ``col`` and output
+    features by ``rows``."""
     serial = _serial_linear()
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
-    replaced = []
-    for name, module in list(model.named_modules()):
-        if type(module) is not serial or uses.get(id(module.weight), 0) > 1 or not name:
-            continue
-        if not divides(module.in_features, module.out_features, topology):
-            continue
-        model.set_submodule(name, Linear.from_linear(module, topology=topology, batch_per_rank=batch_per_rank))
-        replaced.append(name)
-    return replaced
+    return [(name, module) for name, module in model.named_modules()
+            if name and type(module) is serial and uses.get(id(module.weight), 0) <= 1
+            and module.in_features % col == 0 and module.out_features % rows == 0]

@@ -17,7 +17,7 @@ batch split over depth) in one micro-batch:
   collective a parameter, each backward.
 
 On 2 gloo ranks a 2-layer Llama's counted step equals these, grid by grid
-(tests/auto/search/test_cost_traffic.py).
+(tests/auto/search/test_cost_traffic_3d.py).
 """
 
 import torch
@@ -35,7 +35,9 @@ def terms_3d(cost, row: int, col: int, depth: int) -> None:
     tensor = row * col * depth
     if tensor <= 1:
         return
-    linears = replaced_linears(cost.model, col, row * depth)
+    from atorch.intra_layer.auto import replaceable_linears
+
+    linears = replaceable_linears(cost.model, col, row * depth)
     sizes = [_bytes(m) for _, m in linears]
     whole = max(cost.param_bytes(), 1)
     share = 1 - sum(sizes) / whole * (1 - 1 / tensor)
@@ -50,18 +52,6 @@ def terms_3d(cost, row: int, col: int, depth: int) -> None:
     _replica_comms(cost, linears, depth)
 
 
-def replaced_linears(model: torch.nn.Module, col: int, rows: int) -> list[tuple[str, torch.nn.Linear]]:
-    """The layers ``intra_layer.parallelize_model`` replaces: plain nn.Linear (no subclass), not
-    the root, weight not shared with another module, in features dividing by ``col`` and out
-    features by ``rows`` (row x depth)."""
-    uses: dict[int, int] = {}
-    for _, param in model.named_parameters(remove_duplicate=False):
-        uses[id(param)] = uses.get(id(param), 0) + 1
-    return [(name, m) for name, m in model.named_modules()
-            if name and type(m) is torch.nn.Linear and uses.get(id(m.weight), 0) <= 1
-            and m.in_features % col == 0 and m.out_features % rows == 0]
-
-
 def _bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
@@ -71,16 +61,10 @@ def _checkpointed(cost, linears) -> tuple[set[str], set[str]]:
     every replaced layer inside a checkpointed block, and all of a block's but its last."""
     if "checkpoint" not in cost.methods:
         return set(), set()
-    from atorch.utils.modules import find_block_classes
+    from atorch.utils.modules import by_block
 
-    classes = tuple(find_block_classes(cost.model))
-    blocks = [name for name, m in cost.model.named_modules() if classes and isinstance(m, classes)]
-    rerun, collectives = set(), set()
-    for block in blocks:
-        inside = [name for name, _ in linears if name.startswith(block + ".")]
-        rerun.update(inside)
-        collectives.update(inside[:-1])
-    return rerun, collectives
+    blocks = by_block(cost.model, [name for name, _ in linears])
+    return {name for inside in blocks for name in inside}, {name for inside in blocks for name in inside[:-1]}
 
 
 def _layer_comms(cost, linears, row: int, col: int, depth: int) -> None:

@@ -24,6 +24,15 @@ def find_block_classes(model: torch.nn.Module) -> list[type]:
     return found
 
 
+def by_block(model: torch.nn.Module, names: Iterable[str]) -> list[list[str]]:
+    """``names`` (qualified module names) grouped by the repeated block (:func:`find_block_classes`)
+    that holds them, each group in the given order; names outside every block are left out."""
+    names = list(names)
+    classes = tuple(find_block_classes(model))
+    blocks = [name for name, m in model.named_modules() if classes and isinstance(m, classes)]
+    return [[name for name in names if name.startswith(block + ".")] for block in blocks]
+
+
 def modules_of_classes(model: torch.nn.Module, names: Iterable[str]) -> list[tuple[str, torch.nn.Module]]:
     """``(qualified name, module)`` of every submodule whose class matches one of ``names``."""
     names = list(names)
