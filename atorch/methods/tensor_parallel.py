@@ -294,10 +294,16 @@ def _recomputed_rows(model, plan) -> set[str]:
     add takes) is not rerun. On 2 gloo ranks a checkpointed Llama layer all-reduced 8 times, not
     9 (tests/auto/search/test_cost_traffic.py). A post-norm block (BERT's), whose last norm saves
     that output, reruns it too: one all-reduce a layer more than this counts."""
-    from atorch.utils.modules import by_block
+    from atorch.utils.modules import find_block_classes
 
+    classes = tuple(find_block_classes(model))
+    blocks = [name for name, m in model.named_modules() if classes and isinstance(m, classes)]
     rows = [name for name, how in plan if how.startswith("row")]
-    return {name for inside in by_block(model, rows) for name in inside[:-1]}
+    recomputed = set()
+    for block in blocks:
+        inside = [name for name in rows if name.startswith(block + ".")]
+        recomputed.update(inside[:-1])
+    return recomputed
 
 
 def _tensor_traffic(plan, modules: dict, recomputed: set) -> tuple[tuple[int, int], tuple[int, int]]:
