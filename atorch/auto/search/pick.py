@@ -97,9 +97,9 @@ def _clearly_faster(tied: list) -> list:
 def _timed_together(results) -> list:
     """The measured candidates still taking turns when the side-by-side timing ended (the most
     turns; none when no close call was timed side by side). One that stopped taking turns was
-    over sidebyside.NEAR behind on the turns all had taken; its median, over fewer and earlier
-    turns, is not compared with theirs (a change in the machine's load after it stopped would
-    move theirs and not its)."""
+    behind the fastest beyond the tie on the turns all had taken (sidebyside.still_open); its
+    median, over fewer and earlier turns, is not compared with theirs (a change in the machine's
+    load after it stopped would move theirs and not its)."""
     together = [(s, r) for s, r in results if r.status == MEASURED and r.side_by_side]
     if len(together) < 2:
         return []
