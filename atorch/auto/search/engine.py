@@ -49,6 +49,7 @@ from atorch.auto.search.space import candidate_space, layout_space
 from atorch.auto.search.speedup import half_speedup
 from atorch.auto.search.state import SearchOptions, SearchRun
 from atorch.auto.strategy import Strategy
+from atorch.utils.memo import kept
 
 # How long an agreement waits for the slowest rank: AGREEMENT_TIMEOUT_FACTOR x dryrun_timeout +
 # AGREEMENT_TIMEOUT_SLACK seconds (see search()).
@@ -109,12 +110,13 @@ def _space(run: SearchRun, probe_ctx: ModelContext, excluded, included, base, on
         counts["generated"] = len(only)
         return only, []
     layouts = ineligible = None
-    if base is None:
-        first_batch = functools.lru_cache(None)(functools.partial(first_micro_batch, probe_ctx))
-        layouts, ineligible = layout_space(run.model, run.device_ctx, run.global_batch, probe_ctx.model_input_format,
-                                           excluded, included, first_batch)
-    candidates = candidate_space(run.device_ctx, excluded, included, base, layouts, counts, run.model,
-                                 run.global_batch)
+    with kept():  # the model's structure read once for every layout and candidate (tensor_parallel's plan)
+        if base is None:
+            first_batch = functools.lru_cache(None)(functools.partial(first_micro_batch, probe_ctx))
+            layouts, ineligible = layout_space(run.model, run.device_ctx, run.global_batch,
+                                               probe_ctx.model_input_format, excluded, included, first_batch)
+        candidates = candidate_space(run.device_ctx, excluded, included, base, layouts, counts, run.model,
+                                     run.global_batch)
     counts["generated"] += len(ineligible or [])
     return candidates, ineligible or []
 

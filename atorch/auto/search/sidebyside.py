@@ -139,8 +139,9 @@ def _timed(built: list, warmup_steps: int, timeout_s: float, start: float) -> di
 def still_open(seconds: list[list[float]], active: list[int]) -> tuple[list[int], bool]:
     """The ``active`` candidates whose turns have not put them behind the fastest of them beyond
     the tie (the low end of the band of :func:`behind_bands` within 1 + TIE), and whether the
-    timing is settled: one of them is left, or each runner-up left is surely tied (its band's high
-    end within 1 + TIE too). Those stopped take no more turns, so the pick never sees them tied.
+    timing is settled: one of them is left, or the turns left cannot change which of them are
+    tied (:func:`surely_tied`, every pair). Those stopped take no more turns, so the pick never
+    sees them tied.
 
     >>> still_open([[1.0] * 6, [1.01] * 6, [1.2] * 6], [0, 1, 2])
     ([0, 1], True)
@@ -148,9 +149,27 @@ def still_open(seconds: list[list[float]], active: list[int]) -> tuple[list[int]
     ([0, 1], False)
     """
     bands = behind_bands([seconds[i] for i in active])
-    left = [(i, band) for i, band in zip(active, bands) if band[1] <= 1 + TIE]
-    settled = len(left) < 2 or all(high <= 1 + TIE for _, (_, _, high) in left)
-    return [i for i, _ in left], settled
+    left = [i for i, band in zip(active, bands) if band[1] <= 1 + TIE]
+    settled = len(left) < 2 or all(surely_tied(seconds[i], seconds[j]) for i in left for j in left if i != j)
+    return left, settled
+
+
+def surely_tied(mine: list[float], theirs: list[float]) -> bool:
+    """Whether no turns up to MAX_TURNS can put ``mine`` behind ``theirs`` beyond the tie: the low
+    end of the band of its ratio is the k-th lowest ratio (k grows with the turns, 6 at
+    MAX_TURNS), and at least that many rounds already had it within 1 + TIE of theirs.
+
+    >>> surely_tied([1.0, 1.1] * 6, [1.0] * 12), surely_tied([1.0, 1.1] * 3, [1.0] * 6)
+    (True, False)
+    """
+    within = sum(a / b <= 1 + TIE for a, b in zip(mine, theirs))
+    return within >= _lowest_counted(MAX_TURNS)
+
+
+def _lowest_counted(turns: int) -> int:
+    """Which lowest ratio is the low end of the band over ``turns`` rounds (1: the lowest)."""
+    low, _ = median_band(list(range(turns)))
+    return low + 1
 
 
 def behind(seconds: list[list[float]]) -> list[float]:

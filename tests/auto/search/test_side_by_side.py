@@ -113,10 +113,16 @@ def test_a_candidate_stops_taking_turns_once_its_band_is_behind_beyond_the_tie()
     once_near = [1.0 + 3 * TIE] * 5 + [1.0]  # one turn as fast: its band (6 turns: all) reaches the tie
     seconds = [[1.0] * 6, steady_behind, once_near]
     assert sidebyside.still_open(seconds, [0, 1, 2]) == ([0, 2], False)
-    # of those two alone, neither is behind the other beyond the tie in any turn: surely tied
-    assert sidebyside.still_open(seconds, [1, 2]) == ([1, 2], True)
-    # surely tied (every ratio within the tie): settled, no more turns needed
+    # of those two alone, the one once as fast is ahead; the other is within the tie in only 5
+    # rounds, and 12 more rounds could still set it behind (the band's low end at 18 turns is
+    # the 6th lowest ratio): not settled
+    assert sidebyside.still_open(seconds, [1, 2]) == ([1, 2], False)
+    # surely tied (6 rounds within the tie either way: no 12 more can set either behind): settled
     assert sidebyside.still_open([[1.0] * 6, [1.0 + TIE / 2] * 6], [0, 1]) == ([0, 1], True)
+    # within the tie either way in 6 of 9 rounds, though 3 rounds were 10% apart: settled too
+    swings = [[1.0] * 9, [1.0, 1.0, 1.1] * 3]
+    assert sidebyside.still_open(swings, [0, 1]) == ([0, 1], True)
+    assert sidebyside.still_open([turns[:7] for turns in swings], [0, 1]) == ([0, 1], False)  # 5 of 7
 
 
 def test_a_candidate_stopped_as_behind_is_never_tied_with_the_fastest(monkeypatch):
