@@ -35,8 +35,10 @@ def estimate(size: llama.LlamaSize, feature: str, profile, device_type: str,
             "strategy": list(step.methods)}
 
 
-def costed(size: llama.LlamaSize, feature: str, profile, device_type: str, optim_seconds_per_byte: float = 0.0):
-    """The StepCost of ``feature``'s strategy for ``size`` (its ``profile`` still to set)."""
+def costed(size: llama.LlamaSize, feature: str, profile, device_type: str, optim_seconds_per_byte: float = 0.0,
+           strategy: list | None = None):
+    """The StepCost of ``feature``'s strategy (or of ``strategy``) for ``size`` (its ``profile``
+    still to set)."""
     from transformers import LlamaForCausalLM
 
     from atorch.auto.environment import DeviceContext
@@ -53,7 +55,7 @@ def costed(size: llama.LlamaSize, feature: str, profile, device_type: str, optim
     ids = torch.zeros(1, size.seq, dtype=torch.long, device="meta")
     attention = FlashAttentionProbe if profile.attention == "flash" else nullcontext
     with quiet():
-        strategy = resolve_strategy(model, Strategy(llama.STRATEGIES[feature]))
+        strategy = resolve_strategy(model, Strategy(strategy or llama.STRATEGIES[feature]))
         counts: list = []
         with attention():
             saved = cost.activation_bytes(model, strategy, {"input_ids": ids, "labels": ids}, "unpack_dict", None,

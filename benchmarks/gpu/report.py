@@ -85,6 +85,7 @@ def build(state, all_units) -> dict:
                                                            "op_seconds", "memory", "collectives")},
             "peak_flops": peak, "peak_source": peak_source, "bench": bench, "estimates": estimates,
             "optimizer_seconds_per_byte": estimated.get("optimizer_seconds_per_byte"),
+            "offload": done.get("offload/fsdp-cpu-offload"),
             "invocations": state.data.get("invocations", []),
             "state": str(state.path)}
 
@@ -160,12 +161,35 @@ def markdown(report: dict) -> str:
             rates.append(f"memory {calibration['memory_bandwidth'] / 1e12:.2f} TB/s")
         lines += ["", f"Calibration ({calibration['command']}): " + "; ".join(rates)
                   + f", {(calibration['op_seconds'] or 0) * 1e6:.1f} us an operator."]
+    lines += ["", "## CPU offload (fsdp cpu_offload: benchmarks/gpu/offload.py)", "", *_offload_lines(report)]
     lines += ["", "## Units", "", table(["unit", "status", "seconds", "note"],
                                         [[u["unit"], u["status"], _fmt(u["seconds"], ".0f"), u["note"]]
                                          for u in report["units"]])]
     if report["problems"]:
         lines += ["", "## Problems", "", *[f"- {p}" for p in report["problems"]]]
     return "\n".join(lines)
+
+
+def _offload_lines(report: dict) -> list[str]:
+    """The offload unit's rates beside the profile's, and its measured extra step beside the estimate's."""
+    result = report.get("offload")
+    if not result:
+        return ["not run yet"]
+    lines = [f"Host AdamW: {result['host_optimizer_seconds_per_byte']:.3g} s a byte of parameter (the h100_80gb "
+             "profile: 9.1e-11, estimated)."]
+    if result.get("skipped"):
+        return [*lines, f"The rest skipped: {result['skipped']}."]
+    lines.append(f"Pinned copies: {result['host_to_device_bandwidth'] / 1e9:.1f} GB/s to the device, "
+                 f"{result['device_to_host_bandwidth'] / 1e9:.1f} GB/s back (the profile: 64, the datasheet's).")
+    steps = result["step_s"]
+    lines.append(f"fully_shard on one rank, median step: {steps['on_device'] * 1e3:.1f} ms on the device, "
+                 f"{steps['offload'] * 1e3:.1f} ms with CPUOffloadPolicy: {result['measured_extra_s'] * 1e3:.1f} ms "
+                 "more.")
+    for name, row in result.get("estimated", {}).items():
+        if isinstance(row, dict):
+            ratio = "" if row.get("ratio") is None else f", {row['ratio']:.2f}x the measured"
+            lines.append(f"Estimated at the {name}: {row['extra_s'] * 1e3:.1f} ms more{ratio}.")
+    return lines
 
 
 def write(report: dict, out_dir: Path) -> tuple[Path, Path]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ("tests", "calibrate", "bench", "estimate")
+STEPS = ("tests", "calibrate", "bench", "estimate", "offload")
 CUDA_TESTS = ROOT / "tests" / "cuda"
 
 
@@ -73,6 +73,7 @@ def units(config: dict) -> list[Unit]:
             out.append(Unit("bench", f"{who}-{feature}", 540 if feature in ("compile", "compile_fused", "search") else 300,
                             lambda run, t, who=who, feature=feature: _bench(run, who, feature)))
     out.append(Unit("estimate", "cost-model", 300, _estimate))
+    out.append(Unit("offload", "fsdp-cpu-offload", 420, _offload))
     return out
 
 
@@ -195,3 +196,10 @@ def _estimate(run: Run, timeout: float) -> dict:
             except Exception as error:  # noqa: BLE001 - one strategy's failure is a result, not the unit's
                 rows[f"{name}/{feature}"] = {"error": f"{type(error).__name__}: {error}"}
     return {"profiles": list(profiles), "optimizer_seconds_per_byte": per_byte, "rows": rows}
+
+
+def _offload(run: Run, timeout: float) -> dict:
+    """fsdp's cpu_offload term against FSDP2's CPUOffloadPolicy here (benchmarks/gpu/offload.py)."""
+    from benchmarks.gpu import offload
+
+    return offload.measure(run)

@@ -30,7 +30,8 @@ def calibration(tmp_path):
 def test_dry_path_measures_estimates_and_writes_the_report(tmp_path, calibration, capsys):
     work = tmp_path / "run"
     argv = ["--dry", "--in-process", "--work-dir", str(work), "--calibration", str(calibration), "--step", "calibrate",
-            "--step", "bench", "--step", "estimate", "--features", "bf16,fp8", "--warmup", "1", "--steps", "1"]
+            "--step", "bench", "--step", "estimate", "--step", "offload", "--features", "bf16,fp8", "--warmup", "1",
+            "--steps", "1"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "CPU dry path" in out and "bench bf16: atorch" in out and "estimate bf16 (calibrated)" in out
@@ -47,7 +48,10 @@ def test_dry_path_measures_estimates_and_writes_the_report(tmp_path, calibration
     [estimate] = [e for e in report["estimates"] if e["feature"] == "bf16"]
     assert estimate["step_s"] > 0 and estimate["peak_bytes"] > 0 and estimate["step_ratio"] > 0
     assert report["pending"] == ["tests/collect"] and not report["complete"]
+    # the offload unit: on the dry path the host optimizer's rate only, and it says why
+    assert report["offload"]["host_optimizer_seconds_per_byte"] > 0 and "CUDA" in report["offload"]["skipped"]
     markdown = report_path.with_suffix(".md").read_text()
+    assert "## CPU offload" in markdown
     assert "| bf16 | atorch | done |" in markdown and "not complete" in markdown
     # a second run finds everything asked for done and runs nothing again
     assert cli.main(argv) == 0
@@ -158,7 +162,7 @@ def test_units_of_a_gpu_run_each_fit_a_ten_minute_command():
 
     config = {"dry": False, "features": list(FEATURES)}
     all_units = steps.units(config)
-    assert [u.step for u in all_units][0] == "tests" and all_units[-1].key == "estimate/cost-model"
+    assert [u.step for u in all_units][0] == "tests" and all_units[-1].key == "offload/fsdp-cpu-offload"
     assert all(u.limit_s < 600 for u in all_units)
     bench = [u.name for u in all_units if u.step == "bench"]
     # every feature by hand and through atorch, but the search, whose twin is plain bf16's row
