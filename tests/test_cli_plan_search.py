@@ -208,7 +208,10 @@ def test_a_larger_global_batch_is_accumulated_not_paid_for_in_mfu():
         # the whole 80 GiB (within the 74 usable, 64 sequences fell 3% behind 32, 45.9% against
         # 47.5%, while FSDP under accumulation could only keep whole fp32 gradients to the step;
         # reducing them every micro-batch, 64 sequences run at 47.2%)
-        result = plan_search(model, 8, batch, 4096, h100, 2.0, ["fp8", "module_replace"], h100.memory)
+        # (without pipelines, whose microbatches split a large batch too: from 8 sequences on, a
+        # pipeline=2 x data=4 with zero2 over each stage's data ranks is estimated 1% ahead)
+        result = plan_search(model, 8, batch, 4096, h100, 2.0, ["fp8", "module_replace", "pipeline_parallel"],
+                             h100.memory)
         fitting = [r for r in result["rows"] if r.get("fits")]
         best[batch] = max(fitting, key=lambda r: r["mfu"])
     mfu = [best[b]["mfu"] for b in sorted(best)]

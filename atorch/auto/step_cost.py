@@ -158,6 +158,9 @@ class StepCost:
     weight_scale: float = 1.0  # bytes per parameter relative to the model's own (half: 0.5)
     split: float = 1.0  # share of the parameters left on a rank by splitting layers (tensor)
     stage_share: float = 1.0  # share of the parameters on a rank's pipeline stages
+    # a pipeline's busiest rank: (the units of each of its stages, microbatches);
+    # a sharding beside the pipeline counts its collectives from it (fsdp.pipeline_sync)
+    pipeline_stage: tuple | None = None
     # time
     compute_dtype: str = "fp32"  # "fp32" or "half": which matmul rate applies
     # bf16 step rate / fp32 step rate measured on this machine (speedup.py), used with the nominal

@@ -167,7 +167,8 @@ def cost_term(config: FsdpConfig, cost) -> None:
     # In backward, so are the gradients of the unit running and of the one being reduced (on
     # search_quality's small Llama, 4 ranks, checkpoint + fsdp peaks in backward with both:
     # estimated 0.82 of its measured peak without them).
-    kept = sum(units) * scale * low if not config.reshard_after_forward else 2 * unit
+    # (beside a pipeline, the units of the rank's stages: their share of the model's)
+    kept = sum(units) * cost.stage_share * scale * low if not config.reshard_after_forward else 2 * unit
     cost.gathered += root + kept
     cost.unit_grads += root + 2 * unit
     cost.whole_grads = synced_grads * low
@@ -187,6 +188,11 @@ def cost_term(config: FsdpConfig, cost) -> None:
     # root whole as it does when the value is left to it)
     cost.sync_calls = {"all_gather": calls * (2 if config.reshard_after_forward else 1), "reduce_scatter": calls}
     cost.sync_in_hooks = True  # FSDP2 issues each of them
+    if cost.pipeline_stage is not None:
+        names = once(("fsdp unit names", id(cost.model), config.model_dump_json()),
+                     lambda: fsdp2.choose_units(cost.model, config.atorch_wrap_cls, config.atorch_size_based_min_num_params,
+                                                config.atorch_ignored_cls, config.wrap_trainable_outmost))
+        pipeline_sync(cost, names, config.reshard_after_forward)
     # it replaces DDP: its own host overhead, calibrated, per collective its hooks issue
     cost.overheads.pop("parallel_mode", None)
     if cost.dp_size > 1:
@@ -196,6 +202,31 @@ def cost_term(config: FsdpConfig, cost) -> None:
     accumulation_terms(cost, share, config.reduce_every_micro_batch)
     if config.cpu_offload and cost.device_type == "cuda":
         offload_terms(cost, config.reduce_every_micro_batch)
+
+
+def pipeline_sync(cost, units: list, reshard_after_forward: bool) -> None:
+    """fsdp's and zero2's collectives beside a pipeline (``cost.pipeline_stage``, the busiest rank):
+    each of the rank's stage modules is a root and each of ``units`` (module names, or tuples of
+    them) in its stages a unit. torch's PipelineStage defers every unit's reduce-scatter to after
+    the last microbatch's backward and keeps it whole after each backward; resharded after each
+    forward, a unit is gathered again by the next action after a forward, and by the first: once
+    per microbatch and once more (counted on 4 gloo ranks, pipeline=2 x data=2:
+    tests/auto/search/test_cost_traffic_pipeline_fsdp.py). Kept whole, once a step. (Under
+    gradient accumulation each micro-batch runs the schedule and its reduce-scatters: not counted.)"""
+    if cost.pipeline_stage is None:
+        return
+    stages, microbatches = cost.pipeline_stage
+
+    def stage_of(name: str) -> int | None:
+        return next((i for i, units in enumerate(stages) for u in units if name == u or name.startswith(u + ".")), None)
+
+    # a group of blocks that crosses from one stage to the next is cut there (fsdp2.within_roots)
+    pieces = {(index, stage_of(name)) for index, unit in enumerate(units)
+              for name in (unit if isinstance(unit, tuple) else (unit,))}
+    modules = sum(1 for _, stage in pieces if stage is not None) + len(stages)
+    gathers = microbatches + 1 if reshard_after_forward else 1
+    cost.data_sync["params"] = gathers
+    cost.sync_calls = {"all_gather": modules * gathers, "reduce_scatter": modules}
 
 
 def offload_terms(cost, every_micro_batch: bool) -> None:
@@ -248,6 +279,7 @@ register_method(
         conflicts={"zero1": ONE_SHARDING, "zero2": ONE_SHARDING},
         absorbs=("amp_native",),
         resolve=resolve,
+        ineligible=fsdp2.pipeline_ineligible,
         search_space=({},),
         saves_memory=True,
         cost_term=cost_term,

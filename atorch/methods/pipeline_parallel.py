@@ -307,6 +307,8 @@ def pipeline_terms(cost, config: PipelineFields, stages: int) -> None:
                           lambda: _stage_sizes(cost.model, ranges, stages))
     per_rank = [sum(sizes[r::stages]) for r in range(stages)]  # interleaved: rank r runs stages r, r+p, ...
     share = max(per_rank) / max(sum(sizes), 1)
+    busiest = per_rank.index(max(per_rank))
+    cost.pipeline_stage = (tuple(tuple(units) for units in ranges[busiest::stages]), config.num_microbatches)
     cost.split_model(share)
     cost.stage_share *= share
     m, v = config.num_microbatches, config.virtual_pipeline_size
@@ -371,10 +373,10 @@ register_method(
         uses_dims=("pipeline",),
         needs_dims=("pipeline",),
         conflicts={
-            # zero1 composes: ZeroRedundancyOptimizer shards the stage's optimizer state over the data
-            # ranks of that stage (Megatron's distributed optimizer beside its pipeline)
-            **dict.fromkeys(("fsdp", "zero2"), "the pipeline model averages its stages' gradients over the data "
-                            "ranks itself; the sharding wrappers expect the whole model on every rank (zero1 composes)"),
+            # zero1, zero2 and fsdp compose: ZeroRedundancyOptimizer shards the stage's optimizer state
+            # over the data ranks of that stage (Megatron's distributed optimizer beside its pipeline);
+            # FSDP2 shards each stage (its blocks, then the stage as the root) over them, and the stage
+            # reduce-scatters its gradients after the last microbatch (torchtitan's FSDP x PP)
             **dict.fromkeys(("tensor_parallel", "sequence_parallel"), "tensor x pipeline is mixed_parallel; use it"),
         },
         resolve=resolve,

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 
 from atorch.distributed.topology import Topology
 from atorch.errors import MethodConfigError, NotSupportedError, WorldSizeError
@@ -390,6 +391,10 @@ class PipelineModel(nn.Module):
                 value = param.detach().clone() if mine else zeros
             else:
                 value = param.grad if param is not None and param.grad is not None else zeros
+                if isinstance(value, DTensor) or self._data_sharded:
+                    # fsdp/zero2 beside the pipeline: every copy is sharded alike over its stage's
+                    # data ranks, so the copies' local shards add up row for row
+                    value = value.to_local() if isinstance(value, DTensor) else self._local_rows(zeros)
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(value, group=group)
             if param is None:
@@ -397,8 +402,21 @@ class PipelineModel(nn.Module):
             if weights:
                 with torch.no_grad():
                     param.copy_(value)
-            else:
+            elif not isinstance(param.grad, DTensor):  # a DTensor's local shard was summed in place
                 param.grad = value
+
+    @property
+    def _data_sharded(self) -> bool:
+        """Whether fsdp or zero2 sharded this rank's stages over their data ranks."""
+        return any(isinstance(p, DTensor) for p in self.local_parameters())
+
+    def _local_rows(self, whole: torch.Tensor) -> torch.Tensor:
+        """The rows of ``whole`` this rank's data coordinate holds under FSDP2's dim-0 sharding
+        (torch.chunk's: ceil(n / size) rows each, the last ranks fewer or none)."""
+        size = self.topology.data_parallel_size
+        rank = dist.get_rank(self.topology.data_parallel_group) if size > 1 else 0
+        rows = -(-whole.shape[0] // size)
+        return whole[rank * rows:(rank + 1) * rows].clone()
 
     def _reduce_data_parallel_grads(self, factor: float) -> None:
         """Gradients summed over the data ranks, then multiplied by ``factor`` (``K / N``).
@@ -414,6 +432,9 @@ class PipelineModel(nn.Module):
                 continue
             if held_per_rank(param):
                 average_over_copies(param, getattr(param, "replica_group", None))
+                param.grad.mul_(factor * size)
+                continue
+            if isinstance(param.grad, DTensor):  # fsdp/zero2 beside the pipeline: reduce-scattered, averaged
                 param.grad.mul_(factor * size)
                 continue
             if size > 1:

@@ -1,6 +1,7 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) applied to a model in units chosen by class,
 size, or trainability; shared by the fsdp and zero2 methods."""
 
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from atorch.auto.config_types import class_matches
+from atorch.errors import NotSupportedError
 
 
 def _matches(module: torch.nn.Module, names: Sequence[str]) -> bool:
@@ -189,15 +191,75 @@ def shard_model(
     apart = {id(p) for p in own} | copies
     units = [u for u in units if any(id(p) not in apart for n in (u if isinstance(u, tuple) else (u,))
                                      for p in modules[n].parameters())]
+    roots = stage_roots(model)
+    units = within_roots(units, roots)
     shard_expert_copies(model, kwargs)
     for unit in units:
         fully_shard([modules[n] for n in unit] if isinstance(unit, tuple) else modules[unit], **kwargs)
-    fully_shard(model, **kwargs)
+    for name in roots:
+        fully_shard(modules[name], **kwargs)
     if forward_prefetch:
         in_order = [modules[n] for n in sorted(units, key=list(modules).index)]
         for current, following in zip(in_order, in_order[1:]):
             current.set_modules_to_forward_prefetch([following])
     return model
+
+
+# Why fsdp and zero2 cannot shard a pipeline split by tracing (its stages are built at the first call).
+TRACED_PIPELINE = ("fsdp and zero2 shard a pipeline's stages as it builds them from a layout; this model's pipeline "
+                   "is split by tracing, at its first call (a layout: atorch.pipeline.register_layout; or zero1, "
+                   "which shards the optimizer state only)")
+
+
+def pipeline_ineligible(model, config, job) -> str | None:
+    """fsdp's and zero2's ``ineligible``: why they cannot shard ``model`` on the layout of ``job``
+    (a pipeline split by tracing), or None."""
+    if model is None or job.dims.get("pipeline", 1) <= 1:
+        return None
+    from atorch.errors import AtorchConfigError
+    from atorch.pipeline.layouts import layout_for
+
+    try:
+        traced = getattr(layout_for(model), "traced", False)
+    except AtorchConfigError:
+        return None  # no pipeline on this model at all: the layout's own check says why
+    return TRACED_PIPELINE if traced else None
+
+
+def stage_roots(model: torch.nn.Module) -> list[str]:
+    """The modules that become FSDP roots: the model itself (``""``), or in a PipelineModel each of
+    this rank's stage modules, which torch's PipelineStage runs (and whose gradient reduce-scatter
+    it starts after the last microbatch's backward); the PipelineModel itself runs the schedule and
+    is no unit."""
+    stages = getattr(model, "stage_modules", None)
+    if stages is None or not hasattr(model, "local_stage_ids"):
+        return [""]
+    if getattr(model, "traced", False):
+        raise NotSupportedError(TRACED_PIPELINE)
+    return [f"stage_modules.{index}" for index in range(len(stages))]
+
+
+def within_roots(units: list, roots: list[str]) -> list:
+    """``units`` with every group cut where it crosses from one root's modules to another's: a unit
+    belongs to one stage (one FSDP root's state, which its stage's post-backward reduces).
+
+    >>> within_roots([("s.0.a", "s.0.b", "s.1.a"), ("s.1.b",)], ["s.0", "s.1"])
+    [('s.0.a', 's.0.b'), ('s.1.a',), ('s.1.b',)]
+    """
+    if roots == [""]:
+        return units
+
+    def root_of(name: str) -> str:
+        return next((r for r in roots if name == r or name.startswith(r + ".")), "")
+
+    out: list = []
+    for unit in units:
+        if not isinstance(unit, tuple):
+            out.append(unit)
+            continue
+        for _, names in itertools.groupby(unit, key=root_of):
+            out.append(tuple(names))
+    return out
 
 
 def shard_expert_copies(model: torch.nn.Module, kwargs: dict) -> None:

@@ -56,8 +56,11 @@ def test_without_a_pipeline_dim_one_is_chosen_and_conflicts_raise():
     assert any("no 'pipeline' dim; chose pipeline=2" in n and n.warning for n in notes)
     with pytest.raises(WorldSizeError, match="need a multiple of 3 processes but the world size is 2"):
         plan_strategy(Strategy([("parallel_mode", ([("pipeline", 3)], None)), "pipeline_parallel"]), device)
-    with pytest.raises(StrategyConflictError, match="'pipeline_parallel' and 'fsdp'"):
-        plan_strategy(Strategy([PP2, "pipeline_parallel", "fsdp"]), DeviceContext(4, 4, torch.device("cpu"), None, 2**30))
+    four = DeviceContext(4, 4, torch.device("cpu"), None, 2**30)
+    with pytest.raises(StrategyConflictError, match="'zero2' and 'pipeline_parallel'.*fairscale wraps the whole model"):
+        plan_strategy(Strategy([PP2, "pipeline_parallel", ("zero2", {"not_use_fsdp": True})]), four)
+    # fsdp shards each stage over its data ranks (tests/methods/test_pipeline_fsdp.py)
+    assert "fsdp" in plan_strategy(Strategy([PP2, "pipeline_parallel", "fsdp"]), four)[0]
 
 
 def test_configs_and_models_it_cannot_run_raise():
