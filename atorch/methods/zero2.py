@@ -95,7 +95,6 @@ def _conflicts(config: Zero2Config) -> dict[str, str]:
     if config.use_ds_zero or config.not_use_fsdp:
         out["expert_parallel"] = ("expert_parallel's slices differ from rank to rank; zero2 on FSDP2 (the default "
                                   "backend) leaves them out of its sharding, DeepSpeed's and fairscale's would not")
-    if config.use_ds_zero or config.not_use_fsdp:
         out["pipeline_parallel"] = ("a pipeline's stages are sharded by zero2 on FSDP2 (the default backend); "
                                     f"{'DeepSpeed' if config.use_ds_zero else 'fairscale'} wraps the whole model")
     if config.use_ds_zero:

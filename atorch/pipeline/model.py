@@ -402,8 +402,11 @@ class PipelineModel(nn.Module):
             if weights:
                 with torch.no_grad():
                     param.copy_(value)
-            elif not isinstance(param.grad, DTensor):  # a DTensor's local shard was summed in place
+            elif not isinstance(param, DTensor):
                 param.grad = value
+            elif param.grad is None:  # (a DTensor's local shard was summed in place)
+                param.grad = DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                                shape=param.shape, stride=param.stride())
 
     @property
     def _data_sharded(self) -> bool:
