@@ -10,8 +10,8 @@ import torch
 
 from tests.auto import composition as C
 from tests.auto.test_composition import FP32_RTOL, max_gap
-from tests.helpers.models import serial_steps
 from tests.helpers.dist import run_distributed
+from tests.helpers.models import serial_steps
 
 # The data ranks' reductions on 2 ranks: DDP (parallel_mode alone), each sharding, accumulation,
 # the tensor split and the pipeline's own average.
