@@ -165,9 +165,8 @@ def _unit_bytes(model, bucket_params: int, apart: bool = False) -> tuple[list[in
     expert_parallel holds apart from the units."""
     from atorch.parallel_layers.experts import routed_experts
 
-    blocks = fsdp2.choose_units(model, [class_name(c) for c in find_block_classes(model)])
     skip = {id(p) for m in routed_experts(model).values() for p in m.parameters()} if apart else set()
-    return fsdp2.unit_sizes(model, fsdp2.group_units(model, blocks, bucket_params), skip)
+    return fsdp2.unit_sizes(model, _unit_names(model, bucket_params), skip)
 
 
 def _fsdp2_terms(config: Zero2Config, cost) -> None:

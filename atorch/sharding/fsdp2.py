@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from atorch.auto.config_types import class_matches
-from atorch.errors import NotSupportedError
+from atorch.errors import AtorchConfigError, NotSupportedError
 
 
 def _matches(module: torch.nn.Module, names: Sequence[str]) -> bool:
@@ -216,7 +216,6 @@ def pipeline_ineligible(model, config, job) -> str | None:
     (a pipeline split by tracing), or None."""
     if model is None or job.dims.get("pipeline", 1) <= 1:
         return None
-    from atorch.errors import AtorchConfigError
     from atorch.pipeline.layouts import layout_for
 
     try:
