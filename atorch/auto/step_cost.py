@@ -415,11 +415,14 @@ class StepCost:
     def traffic_seconds(self) -> float:
         """Seconds the operators without FLOPs take at the profile's ``memory_bandwidth`` (0 without
         one: a CPU's calibration fits them into its per-operator overhead instead): one forward's
-        bytes read and written, over each pass like the FLOPs."""
+        bytes read and written, over each pass like the FLOPs, and again for the operators run
+        again in backward (``recomputed_op_share``: selective checkpointing recomputes the
+        element-wise operators, whose bytes these are; measured on CPU, its backward moves as many
+        more bytes as full checkpointing's: tests/auto/search/test_traffic.py)."""
         bandwidth = getattr(self.profile, "memory_bandwidth", 0.0)
         if not bandwidth:
             return 0.0
-        return self.rank_traffic() * self.passes / bandwidth
+        return self.rank_traffic() * (self.passes + self.recomputed_op_share) / bandwidth
 
     def rank_traffic(self) -> float:
         """Bytes one forward's operators without FLOPs move on this rank: the probe's, split as the

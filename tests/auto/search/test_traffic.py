@@ -69,3 +69,54 @@ def test_a_profile_without_a_bandwidth_charges_nothing():
     assert step.traffic_seconds() == 0.0
     step.profile = None
     assert step.traffic_seconds() == 0.0
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.up, self.down = torch.nn.LayerNorm(32), torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.silu(self.up(self.norm(x))))
+
+
+def _backward_traffic(checkpointing: str | None) -> tuple[int, int]:
+    """(forward, backward) bytes the operators without FLOPs move in two checkpointed blocks, counted
+    as they run (the recompute is in the backward's)."""
+    from atorch.auto.search.ops import OpCounter
+    from atorch.methods.checkpoint import CheckpointedForward
+
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([_Block() for _ in range(2)])
+    weights = {p.untyped_storage()._cdata for p in blocks.parameters()}
+    for block in blocks if checkpointing else ():
+        block.forward = CheckpointedForward(block.forward, False, selective=checkpointing == "selective")
+    x = torch.randn(4, 8, 32, requires_grad=True)
+    with OpCounter(weights) as forward:
+        for block in blocks:
+            x = block(x)
+        loss = x.sum()
+    with OpCounter(weights) as backward:
+        loss.backward()
+    return forward.traffic, backward.traffic
+
+
+def test_selective_checkpointing_is_charged_the_bytes_its_recompute_moves():
+    """Selective checkpointing recomputes the element-wise operators in backward: their bytes move
+    again, as many as under full checkpointing (which recomputes the matmuls too). Charged nothing
+    before, which ranked it faster than it runs on a device bound by its memory."""
+    _, plain = _backward_traffic(None)
+    _, selective = _backward_traffic("selective")
+    _, full = _backward_traffic("full")
+    assert selective - plain == full - plain > 0
+    h100 = dataclasses.replace(load_profile("h100_80gb"), memory_bandwidth=1e12)
+
+    def charged(methods):
+        step = cost.build_cost(_model(), Strategy([("parallel_mode", {}), *methods]), {"data": 1}, 2.0, 0, 1e9, 32,
+                               "cuda", 0, forward_traffic=1e9)
+        step.profile = h100
+        return step.traffic_seconds()
+
+    none = charged([])
+    ratio = (charged([("checkpoint", {"selective": True})]) - none) / (charged(["checkpoint"]) - none)
+    assert ratio == pytest.approx((selective - plain) / (full - plain), rel=0.15)
