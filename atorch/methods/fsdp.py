@@ -211,8 +211,9 @@ def pipeline_sync(cost, units: list, reshard_after_forward: bool) -> None:
     the last microbatch's backward and keeps it whole after each backward; resharded after each
     forward, a unit is gathered again by the next action after a forward, and by the first: once
     per microbatch and once more (counted on 4 gloo ranks, pipeline=2 x data=2:
-    tests/auto/search/test_cost_traffic_pipeline_fsdp.py). Kept whole, once a step. (Under
-    gradient accumulation each micro-batch runs the schedule and its reduce-scatters: not counted.)"""
+    tests/auto/search/test_cost_traffic_pipeline_fsdp.py). Kept whole, once a step. (A pipeline
+    takes no gradient accumulation: its microbatches are its accumulation, and gradient_accumulation
+    conflicts with it, so no step here repeats the schedule.)"""
     if cost.pipeline_stage is None:
         return
     stages, microbatches = cost.pipeline_stage
