@@ -109,6 +109,9 @@ class StepCost:
     host_transfer: float = 0.0
     # of forward_flops, those in attention kernels (they run at the profile's attention rate)
     attention_flops: float = 0.0
+    # FLOPs of the matmuls a selective checkpoint runs again in backward (keep_matmuls="every_other"),
+    # beyond ``passes``, on the same batch as forward_flops: counted by the probe from the policy
+    recomputed_flops: float = 0.0
     # bytes one forward's operators without FLOPs read and write (ops.traffic), on the same batch
     # as forward_flops: at the profile's memory_bandwidth
     forward_traffic: float = 0.0
@@ -337,6 +340,7 @@ class StepCost:
         attention = min(self.attention_flops, self.forward_flops)
         flops = self.forward_flops + self.imbalance_flops()
         compute = ((flops - attention) / rate + attention / attention_rate) * self.passes * self.compute_share
+        compute += self.recomputed_flops / rate * self.compute_share
         compute += self.traffic_seconds()
         # each operator's kernel costs the device a fixed time beyond its FLOPs (profile's kernel_seconds)
         op_passes = self.passes + self.recomputed_op_share

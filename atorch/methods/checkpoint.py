@@ -2,7 +2,10 @@
 
 Config forms: ``"checkpoint"`` (the model's repeated blocks, found by structure),
 ``("checkpoint", (LlamaDecoderLayer,))``, ``("checkpoint", ["LlamaDecoderLayer"])``,
-``{"wrap_class": [...], "no_reentrant": False}`` for the reentrant implementation.
+``{"wrap_class": [...], "no_reentrant": False}`` for the reentrant implementation,
+``{"selective": True}`` to keep the outputs of matmuls and attention and recompute the rest, and
+``{"selective": True, "keep_matmuls": "every_other"}`` to recompute every second matmul of each
+block too (torchtitan's per-op selective checkpointing: less memory than keeping them all).
 
 Each matching module's forward is replaced on the instance, so parameter names and
 ``state_dict`` keys do not change. The reentrant implementation only sees positional tensor
@@ -11,7 +14,7 @@ inputs; keyword arguments are passed through but receive no gradient.
 
 import functools
 import inspect
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.utils.checkpoint
@@ -35,12 +38,19 @@ class CheckpointConfig(MethodConfig):
     selective: bool = Field(
         default=False, description="save the outputs of matmuls and attention, recompute the cheap element-wise "
         "ops in backward (needs no_reentrant); False: recompute the whole block")
+    keep_matmuls: Literal["all", "every_other"] = Field(
+        default="all", description="with selective: the matmul (Linear) outputs kept: 'all', or 'every_other' "
+        "(the 2nd, 4th... of each block recomputed in backward, as torchtitan's per-op policy: less memory, "
+        "more recompute)")
 
     @model_validator(mode="after")
     def _selective_needs_non_reentrant(self):
         if self.selective and not self.no_reentrant:
             raise ValueError("selective=True needs no_reentrant=True (torch's selective checkpointing is "
                              "non-reentrant only)")
+        if self.keep_matmuls != "all" and not self.selective:
+            raise ValueError(f"keep_matmuls={self.keep_matmuls!r} needs selective=True (full checkpointing keeps "
+                             "no matmul output)")
         return self
 
     @model_validator(mode="before")
@@ -54,8 +64,9 @@ class CheckpointConfig(MethodConfig):
 
 
 # What selective checkpointing keeps: the outputs of the ops whose recompute costs the most
-# (matrix products and attention), as torchtitan's and Megatron's selective checkpointing do;
-# normalizations, activations, adds and casts are recomputed in backward.
+# (matrix products and attention); normalizations, activations, adds and casts are recomputed in
+# backward. (Megatron's selective recompute keeps the Linears' outputs and recomputes attention's
+# core; torchtitan's per-op policy recomputes every other matmul too: keep_matmuls="every_other".)
 SAVED_OPS = tuple(
     op for op in (getattr(torch.ops.aten, name, None) for name in (
         "mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
@@ -69,32 +80,77 @@ def _saves(op) -> bool:
     return getattr(op, "overloadpacket", op) in SAVED_OPS
 
 
+# The matmuls keep_matmuls="every_other" counts: a Linear's (mm, or addmm with a bias)
+MATMULS = tuple(op for op in (getattr(torch.ops.aten, name, None) for name in ("mm", "addmm")) if op is not None)
+
+
 def selective_policy(ctx, op, *args, **kwargs):
     """torch.utils.checkpoint's policy: keep the outputs of :data:`SAVED_OPS`, recompute the rest."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     if _saves(op):
-        on_saved = _SelectiveCount.active
-        if on_saved is not None and not ctx.is_recompute:
-            on_saved(op(*args, **kwargs))  # on meta tensors (the planner's probe): shapes only
+        _report_kept(ctx, op, args, kwargs)
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def every_other_matmul_policy():
+    """A policy for one checkpointed call: as :func:`selective_policy`, but of the block's
+    matmuls (:data:`MATMULS`, in the order they run) the 2nd, 4th... are recomputed. The forward
+    and the recompute count apart, so both pick the same ones."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    seen = {False: 0, True: 0}  # matmuls so far, in the forward and in the recompute
+
+    def policy(ctx, op, *args, **kwargs):
+        if not _saves(op):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if getattr(op, "overloadpacket", op) in MATMULS:
+            seen[ctx.is_recompute] += 1
+            if seen[ctx.is_recompute] % 2 == 0:
+                recomputed = _SelectiveCount.recomputed
+                if recomputed is not None and not ctx.is_recompute:
+                    recomputed(matmul_flops(op, args))
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        _report_kept(ctx, op, args, kwargs)
+        return CheckpointPolicy.MUST_SAVE
+
+    return policy
+
+
+def _report_kept(ctx, op, args, kwargs) -> None:
+    on_saved = _SelectiveCount.active
+    if on_saved is not None and not ctx.is_recompute:
+        on_saved(op(*args, **kwargs))  # on meta tensors (the planner's probe): shapes only
+
+
+def matmul_flops(op, args) -> int:
+    """FLOPs of a Linear's matmul: ``mm(a, b)`` or ``addmm(bias, a, b)``, a (m x k) by b (k x n)."""
+    a, b = args[-2:] if getattr(op, "overloadpacket", op) is torch.ops.aten.addmm else args[:2]
+    return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+
+
 class _SelectiveCount:
     """Where the planner's probe is told about the outputs selective checkpointing keeps: torch
-    keeps them in a cache of its own, out of sight of the saved-tensor hooks the probe counts with."""
+    keeps them in a cache of its own, out of sight of the saved-tensor hooks the probe counts with
+    (``active``), and about the FLOPs of the matmuls it recomputes (``recomputed``)."""
 
     active = None
+    recomputed = None
 
 
 def _selective_context():
     return torch.utils.checkpoint.create_selective_checkpoint_contexts(selective_policy)
 
 
+def _every_other_context():
+    return torch.utils.checkpoint.create_selective_checkpoint_contexts(every_other_matmul_policy())
+
+
 class CheckpointedForward:
-    def __init__(self, forward, use_reentrant: bool, selective: bool = False):
+    def __init__(self, forward, use_reentrant: bool, selective: bool = False, keep_matmuls: str = "all"):
         self.forward, self.use_reentrant, self.selective = forward, use_reentrant, selective
+        self.context = _every_other_context if keep_matmuls == "every_other" else _selective_context
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
@@ -104,7 +160,7 @@ class CheckpointedForward:
             return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True)
         if self.selective:
             return torch.utils.checkpoint.checkpoint(self.forward, *args, use_reentrant=False,
-                                                     context_fn=_selective_context, **kwargs)
+                                                     context_fn=self.context, **kwargs)
         return torch.utils.checkpoint.checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
 
 
@@ -128,9 +184,10 @@ def apply_checkpoint(ctx: ModelContext, config: CheckpointConfig) -> None:
     matched = modules_of_classes(ctx.model, targets)
     for _, module in matched:
         module.forward = CheckpointedForward(module.forward, use_reentrant=not config.no_reentrant,
-                                             selective=config.selective)
+                                             selective=config.selective, keep_matmuls=config.keep_matmuls)
+    kept = "every other matmul's" if config.keep_matmuls == "every_other" else "matmul"
     logger.info("checkpoint: %d modules of %s checkpointed%s", len(matched), targets,
-                " (selective: matmul and attention outputs kept)" if config.selective else "")
+                f" (selective: {kept} and attention outputs kept)" if config.selective else "")
     # the class's forward: amp (and others) wrap the instance's in one taking **kwargs
     if "use_cache" in inspect.signature(type(ctx.model).forward).parameters:
         ctx.model.register_forward_pre_hook(_no_kv_cache_in_training, with_kwargs=True)

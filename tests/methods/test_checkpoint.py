@@ -139,3 +139,41 @@ def test_selective_is_costed_between_none_and_full_recompute():
         step.profile = load_profile("h100_80gb")
         seconds[name] = step.seconds()
     assert seconds["none"] < seconds["selective"] < seconds["full"], seconds
+
+
+def test_every_other_matmul_trains_exactly_like_no_checkpointing():
+    """Recomputing every other matmul of each block in backward changes no number (fp32)."""
+    plain = train_losses([], steps=3)
+    every_other = train_losses([("checkpoint", {"selective": True, "keep_matmuls": "every_other"})], steps=3)
+    assert '"keep_matmuls": "every_other"' in every_other["strategy"], every_other["strategy"]
+    for got, want in zip(every_other["losses"], plain["losses"]):
+        assert abs(got - want) <= 1e-6 * abs(want), (every_other["losses"], plain["losses"])
+
+
+def test_keep_matmuls_needs_selective():
+    from atorch.auto.strategy import Strategy
+    from atorch.errors import AtorchConfigError
+
+    with pytest.raises(AtorchConfigError, match="keep_matmuls='every_other' needs selective=True"):
+        Strategy([("checkpoint", {"keep_matmuls": "every_other"})]).validate()
+
+
+def test_every_other_matmul_is_costed_between_selective_and_full():
+    """On a GPU profile: full recomputes every matmul, every_other those the probe counted
+    (recomputed_flops), selective none."""
+    from atorch.auto.plan import resolve_strategy
+    from atorch.auto.search import cost
+    from atorch.auto.search.profiles import load_profile
+    from atorch.auto.strategy import Strategy
+
+    model = TinyTransformer()
+    seconds = {}
+    for name, config in (("full", {}), ("every_other", {"selective": True, "keep_matmuls": "every_other"}),
+                         ("selective", {"selective": True})):
+        strategy = resolve_strategy(model, Strategy([("checkpoint", config)]))
+        recomputed = 1.5e12 if name == "every_other" else 0.0
+        step = cost.build_cost(model, strategy, {"data": 1}, 2.0, 2**20, forward_flops=4e12, tokens=4096,
+                               device_type="cuda", forward_ops=400, recomputed_flops=recomputed)
+        step.profile = load_profile("h100_80gb")
+        seconds[name] = step.seconds()
+    assert seconds["selective"] < seconds["every_other"] < seconds["full"], seconds

@@ -84,3 +84,46 @@ def test_checkpointing_leaves_the_forwards_flops_as_they_are_on_meta_and_on_real
                                   device_ctx, counts)
             flops[name] = counts[0]
         assert flops["checkpointed"] == pytest.approx(flops["plain"], rel=1e-9), (device, flops)
+
+
+def _backward_flops(model, batch, keep_matmuls: str | None) -> float:
+    """FLOPs the step's backward runs (the recompute in it), counted as the operators run."""
+    from atorch.auto.search.ops import OpCounter
+
+    methods = [] if keep_matmuls is None else [("checkpoint", {"selective": True, "keep_matmuls": keep_matmuls})]
+    _, result, _ = auto_accelerate(model, load_strategy=methods)
+    loss = result.model(**batch).loss
+    with OpCounter() as counter:
+        loss.backward()
+    return counter.flops
+
+
+def test_every_other_matmul_is_costed_with_the_flops_its_recompute_runs():
+    """keep_matmuls="every_other" recomputes the 2nd, 4th... matmul of each block in backward: the
+    probe counts their FLOPs from the policy, on meta (a plan) and on real tensors (the search),
+    and they equal what the backward runs beyond a plain one's, counted on CPU."""
+    from tests.helpers.hf import CountingTokens, tiny_llama
+
+    data = CountingTokens()
+    batch = {k: torch.stack([data[i][k] for i in range(4)]) for k in ("input_ids", "labels")}
+    torch.manual_seed(0)
+    extra = _backward_flops(tiny_llama(), batch, "every_other") - _backward_flops(tiny_llama(), batch, None)
+    assert extra > 0 and _backward_flops(tiny_llama(), batch, "all") == _backward_flops(tiny_llama(), batch, None)
+    device_ctx = DeviceContext(1, 1, torch.device("cpu"), None, 2**40)
+    strategy = [("checkpoint", {"selective": True, "keep_matmuls": "every_other"})]
+    for device in ("meta", "cpu"):
+        with torch.device(device):
+            model = tiny_llama()
+        counts: list = []
+        cost.activation_bytes(model, resolve_strategy(model, Strategy(strategy)),
+                              {k: v.to(device) for k, v in batch.items()}, "unpack_dict",
+                              None if device == "meta" else (lambda b, out: out.loss), device_ctx, counts)
+        assert counts[8] == extra, (device, counts[8], extra)
+
+
+def test_every_other_matmul_keeps_less_than_selective_and_more_than_full():
+    """Measured peaks of one step on CPU: every other matmul's output recomputed, the rest kept."""
+    peaks = {name: _measured_peak(methods) for name, methods in (
+        ("full", ["checkpoint"]), ("every_other", [("checkpoint", {"selective": True, "keep_matmuls": "every_other"})]),
+        ("selective", [("checkpoint", {"selective": True})]))}
+    assert peaks["full"] < peaks["every_other"] < peaks["selective"], peaks

@@ -156,6 +156,7 @@ class _SavedBytes:
         self.packed = 0  # tensors saved (parameters and repeats included): what a checkpoint's hooks would see
         self._kept: list[torch.Tensor] = []  # what selective checkpointing keeps (see kept)
         self._casts: list[torch.Tensor] = []  # weight casts reported by meta_autocast (see weight_cast)
+        self.recomputed_flops = 0  # of the matmuls a selective checkpoint recomputes (see recomputed)
 
     def pack(self, tensor: torch.Tensor):
         self.packed += 1
@@ -179,6 +180,11 @@ class _SavedBytes:
                 # address could come back for a later output, which would then count as seen
                 self._kept.append(self.pack(tensor))
                 self.packed = packed  # not a tensor through the hooks
+
+    def recomputed(self, flops: int) -> None:
+        """Count the FLOPs of a matmul selective checkpointing will run again in backward
+        (``atorch.methods.checkpoint.every_other_matmul_policy`` reports them)."""
+        self.recomputed_flops += flops
 
     def weight_cast(self, _weight: torch.Tensor, cast: torch.Tensor) -> None:
         """Count ``cast`` (amp_native's emulated autocast's copy of a weight, on meta tensors) as
@@ -215,17 +221,19 @@ class _WeightCasts(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _counting_selective(counter: "_SavedBytes | None"):
+def _counting_selective(counter: "_SavedBytes", on_meta: bool):
     """On meta tensors, what selective checkpointing keeps is counted as saved (see ``kept``);
-    on real tensors the probe's timeline sees those allocations itself."""
+    on real tensors the probe's timeline sees those allocations itself. On both, the FLOPs of the
+    matmuls it will recompute are counted (see ``recomputed``)."""
     from atorch.methods.checkpoint import _SelectiveCount
 
-    before = _SelectiveCount.active
-    _SelectiveCount.active = None if counter is None else counter.kept
+    before = _SelectiveCount.active, _SelectiveCount.recomputed
+    _SelectiveCount.active = counter.kept if on_meta else None
+    _SelectiveCount.recomputed = counter.recomputed
     try:
         yield
     finally:
-        _SelectiveCount.active = before
+        _SelectiveCount.active, _SelectiveCount.recomputed = before
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -298,7 +306,7 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
         # dispatch mode was two thirds of a 70B plan's probe)
         with timeline if not on_meta else contextlib.nullcontext():
             casts = counter.casts() if not on_meta else contextlib.nullcontext()  # autocast does nothing on meta
-            selective = _counting_selective(counter if on_meta else None)
+            selective = _counting_selective(counter, on_meta)
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), op_counter, casts, selective:
                 output = run_model(ctx.model, batch, model_input_format)
                 if loss_func is not None:
@@ -323,7 +331,8 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
         free_copy(probe)
     if counts is not None:
         counts.extend([op_counter.flops, op_counter.count, profile, counter.packed, spans,
-                       op_counter.attention_flops, op_counter.traffic, op_counter.whole_traffic])
+                       op_counter.attention_flops, op_counter.traffic, op_counter.whole_traffic,
+                       counter.recomputed_flops])
     saved = _with_activation_terms(strategy, stages, counter.by_dtype) if on_meta else counter.by_dtype
     return sum(saved.values()), checkpointed
 
@@ -509,7 +518,7 @@ def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, mod
     counted: list = []
     saved, checkpointed = _probe(memo, model, strategy, batch, model_input_format, loss_func, device_ctx,
                                  PROBED_STAGES, counted)
-    flops, ops, (reference, profile), packed, spans, attention, traffic, whole = counted
+    flops, ops, (reference, profile), packed, spans, attention, traffic, whole, recomputed = counted
     hooked = 0
     if checkpointed:
         plain: list = []
@@ -529,7 +538,7 @@ def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, mod
     if profile:
         saved = reference
     if counts is not None:
-        counts.extend([flops, ops, profile, hooked, spans, attention, traffic, whole])
+        counts.extend([flops, ops, profile, hooked, spans, attention, traffic, whole, recomputed])
     return saved
 
 
@@ -539,11 +548,12 @@ def scaled_counts(counts: list, scale: float) -> list:
     them; the operators a step dispatches and the tensors through checkpoints' hooks do not (one
     kernel takes the whole batch), and the activation profile and the units' spans are shares.
 
-    >>> scaled_counts([10.0, 5, (), 2, (), 4.0, 8.0, 2.0], 3)
-    [30.0, 5, (), 2, (), 12.0, 24.0, 6.0]
+    >>> scaled_counts([10.0, 5, (), 2, (), 4.0, 8.0, 2.0, 1.0], 3)
+    [30.0, 5, (), 2, (), 12.0, 24.0, 6.0, 3.0]
     """
-    flops, ops, profile, hooked, spans, attention, traffic, whole = counts
-    return [flops * scale, ops, profile, hooked, spans, attention * scale, traffic * scale, whole * scale]
+    flops, ops, profile, hooked, spans, attention, traffic, whole, recomputed = counts
+    return [flops * scale, ops, profile, hooked, spans, attention * scale, traffic * scale, whole * scale,
+            recomputed * scale]
 
 
 def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int], state_factor: float,
@@ -551,7 +561,7 @@ def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int],
                forward_ops: float = 0.0, optim_seconds_per_byte: float = 0.0,
                activation_profile: tuple = (), checkpointed_saves: float = 0.0, unit_spans: tuple = (),
                attention_flops: float = 0.0, accumulation: int = 1, forward_traffic: float = 0.0,
-               whole_traffic: float = 0.0) -> StepCost:
+               whole_traffic: float = 0.0, recomputed_flops: float = 0.0) -> StepCost:
     """The candidate's :class:`StepCost`: the whole model's terms, then each method's ``cost_term``
     (``accumulation``: see StepCost.accumulation), in the order the methods are applied whatever
     the list's order: a term reads what the earlier ones set (expert_parallel's ``held_apart``
@@ -577,6 +587,7 @@ def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int],
     cost.unit_spans = tuple(unit_spans)
     cost.attention_flops = attention_flops
     cost.forward_traffic = forward_traffic
+    cost.recomputed_flops = recomputed_flops
     cost.whole_traffic = min(whole_traffic, forward_traffic)
     cost.charge("step")  # the training step's own host overhead (StepCost.overheads)
     configs = dict(strategy.items())

@@ -206,7 +206,8 @@ def method_labels(methods) -> list[str]:
     for name, config in methods:
         field = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
         if name == "checkpoint" and field("selective", False):
-            name = "checkpoint (selective)"
+            every_other = field("keep_matmuls", "all") == "every_other"
+            name = "checkpoint (selective, every other matmul)" if every_other else "checkpoint (selective)"
         elif name == "gradient_accumulation":
             name = f"gradient_accumulation x{field('steps', 2)}"
         elif name == "fsdp":
