@@ -15,7 +15,7 @@ from atorch.cli.main import main
 
 def test_h100_profile_loads_with_a_source_for_every_number():
     h100 = load_profile("h100_80gb")
-    assert "h100_80gb" in profile_names()
+    assert {"a100_80gb", "h100_80gb"} <= set(profile_names())
     assert h100.peak("half") == pytest.approx(989.4e12) and h100.peak("fp32") == pytest.approx(66.9e12)
     assert h100.memory == 80 * 2**30 and h100.gpus_per_node == 8
     assert h100.link(8) is h100.intra_node and h100.link(16).bandwidth == h100.inter_node.bandwidth
@@ -27,6 +27,18 @@ def test_h100_profile_loads_with_a_source_for_every_number():
                 "sustained_fraction", "kernel_seconds", "attention_flops.bf16", "overlap", "nics_per_node"):
         assert h100.sources[key], key
     assert "nvidia.com" in h100.sources["matmul_flops.bf16"]
+
+
+def test_a100_profile_loads_with_a_source_for_every_number():
+    """Every profile loads (the loader refuses a number without a source); the A100's datasheet
+    terms are the datasheet's, its fitted ones say what they were fitted to."""
+    for name in profile_names():
+        load_profile(name)
+    a100 = load_profile("a100_80gb")
+    assert a100.peak("half") == pytest.approx(312e12) and a100.peak("fp32") == pytest.approx(19.5e12)
+    assert a100.memory == 80 * 2**30 and a100.memory_bandwidth == pytest.approx(2039e9)
+    assert a100.link(8).bandwidth == pytest.approx(300e9) and a100.link(16).bandwidth == pytest.approx(25e9)
+    assert "nvidia.com" in a100.sources["matmul_flops.bf16"] and "llm-foundry" in a100.sources["sustained_fraction"]
 
 
 def test_unknown_profile_names_the_known_ones(tmp_path):
@@ -124,14 +136,14 @@ def test_plan_search_says_why_nothing_fits_and_needs_a_profile(tmp_path, capsys)
     assert main([*base, "--exclude", "amp_native"]) == 0
     assert "notes" not in json.loads(capsys.readouterr().out)
     assert main(["plan", "--search", "--hf-config", config, "--world-size", "2", "--batch-size", "2"]) == 2
-    assert "needs --profile NAME (known: h100_80gb" in capsys.readouterr().err
+    assert "needs --profile NAME (known: a100_80gb, h100_80gb" in capsys.readouterr().err
     # every missing flag in one run, not one a run (the model, the world size, the profile, the batch)
     assert main(["plan", "--search"]) == 2
     err = capsys.readouterr().err
     assert all(flag in err for flag in ("--hf-config", "--world-size", "--profile", "--batch-size")), err
     assert main(["plan", "--search", "--profile", "tpu", "--hf-config", config, "--world-size", "2",
                  "--batch-size", "2"]) == 2
-    assert "known profiles: h100_80gb" in capsys.readouterr().err
+    assert "known profiles: a100_80gb, h100_80gb" in capsys.readouterr().err
 
 
 def test_plan_search_json_lists_every_candidate_with_its_terms_and_reason(tmp_path, capsys):
@@ -215,7 +227,10 @@ def test_a_larger_global_batch_is_accumulated_not_paid_for_in_mfu():
         fitting = [r for r in result["rows"] if r.get("fits")]
         best[batch] = max(fitting, key=lambda r: r["mfu"])
     mfu = [best[b]["mfu"] for b in sorted(best)]
-    assert all(later >= earlier * 0.99 for earlier, later in zip(mfu, mfu[1:])), mfu
+    # (from 16 to 32 sequences the best falls 2%, 45.8% to 44.9%: zero2 without checkpointing fits
+    # 2 sequences a rank, not its gradients kept whole under accumulation; selective checkpointing,
+    # charged the bytes its recompute moves since 2026-11-28, costs about that)
+    assert all(later >= earlier * 0.97 for earlier, later in zip(mfu, mfu[1:])), mfu
     assert best[64]["dims"]["accumulation"] > 1 and "accumulation=" in best[64]["layout"]
     # named as the method that applies it, so the pick can be written as a strategy
     assert f"gradient_accumulation x{best[64]['dims']['accumulation']}" in best[64]["names"]

