@@ -81,10 +81,10 @@ def fsdp_step(model, methods: list, seq: int, gpus: int, micro: int, profile):
         with FlashAttentionProbe():
             saved = cost.activation_bytes(model, strategy, {"input_ids": ids, "labels": ids}, "unpack_dict", None, ctx,
                                           counts)
-        flops, ops, _, hooked, _, attention, traffic, whole, recomputed = cost.scaled_counts(counts, micro)
+        flops, ops, _, hooked, _, attention, traffic, whole, recomputed, again = cost.scaled_counts(counts, micro)
         return cost.build_cost(model, strategy, {"data": gpus}, 2.0, saved * micro, flops, micro * seq, "cuda",
                                ops, 0.0, (), hooked, (), attention, forward_traffic=traffic, whole_traffic=whole,
-                               recomputed_flops=recomputed)
+                               recomputed_flops=recomputed, recomputed_attention=again)
 
 
 # torchtitan's per-op selective checkpointing keeps the outputs of matmuls and attention but

@@ -109,9 +109,12 @@ class StepCost:
     host_transfer: float = 0.0
     # of forward_flops, those in attention kernels (they run at the profile's attention rate)
     attention_flops: float = 0.0
-    # FLOPs of the matmuls a selective checkpoint runs again in backward (keep_matmuls="every_other"),
-    # beyond ``passes``, on the same batch as forward_flops: counted by the probe from the policy
+    # FLOPs a checkpoint runs again in backward beyond ``passes``, on the same batch as
+    # forward_flops, and of them attention's: counted by the probe (the matmuls selective
+    # checkpointing with keep_matmuls="every_other" recomputes; on meta tensors, what full
+    # checkpointing recomputes: its forward up to the last saved tensor)
     recomputed_flops: float = 0.0
+    recomputed_attention: float = 0.0
     # bytes one forward's operators without FLOPs read and write (ops.traffic), on the same batch
     # as forward_flops: at the profile's memory_bandwidth
     forward_traffic: float = 0.0
@@ -340,7 +343,8 @@ class StepCost:
         attention = min(self.attention_flops, self.forward_flops)
         flops = self.forward_flops + self.imbalance_flops()
         compute = ((flops - attention) / rate + attention / attention_rate) * self.passes * self.compute_share
-        compute += self.recomputed_flops / rate * self.compute_share
+        again = self.recomputed_attention
+        compute += ((self.recomputed_flops - again) / rate + again / attention_rate) * self.compute_share
         compute += self.traffic_seconds()
         # each operator's kernel costs the device a fixed time beyond its FLOPs (profile's kernel_seconds)
         op_passes = self.passes + self.recomputed_op_share

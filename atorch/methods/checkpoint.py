@@ -110,7 +110,7 @@ def every_other_matmul_policy():
             if seen[ctx.is_recompute] % 2 == 0:
                 recomputed = _SelectiveCount.recomputed
                 if recomputed is not None and not ctx.is_recompute:
-                    recomputed(matmul_flops(op, args))
+                    recomputed(matmul_flops(op, args), 0)
                 return CheckpointPolicy.PREFER_RECOMPUTE
         _report_kept(ctx, op, args, kwargs)
         return CheckpointPolicy.MUST_SAVE
@@ -133,10 +133,36 @@ def matmul_flops(op, args) -> int:
 class _SelectiveCount:
     """Where the planner's probe is told about the outputs selective checkpointing keeps: torch
     keeps them in a cache of its own, out of sight of the saved-tensor hooks the probe counts with
-    (``active``), and about the FLOPs of the matmuls it recomputes (``recomputed``)."""
+    (``active``), and about the FLOPs a checkpoint's backward runs again (``recomputed(flops,
+    attention_flops)``: the matmuls selective recomputes; on meta tensors, what full checkpointing
+    recomputes, :func:`full_recompute_flops`)."""
 
     active = None
     recomputed = None
+    on_meta = False
+
+
+def full_recompute_flops(forward, args: tuple, kwargs: dict, stops_early: bool) -> tuple[int, int]:
+    """FLOPs, and of them attention's, that a full checkpoint's backward runs again for one call of
+    ``forward``: with torch's non-reentrant checkpoint (``stops_early``), the forward's operators
+    up to the last one that saves a tensor, where its recompute stops (a Llama block's last
+    projection, whose output nothing saves, is not run again); with the reentrant one, all of
+    them. Counted by running ``forward`` once more (on meta tensors: the planner's probe), its
+    saves marked and dropped, a cache in its arguments left out."""
+    from atorch.auto.search.ops import OpCounter
+
+    counter, at_last_save = OpCounter(count_traffic=False), [0, 0]
+
+    def mark(_tensor):
+        # autograd saves an operator's inputs before it runs: the FLOPs so far are those recomputed
+        at_last_save[:] = counter.flops, counter.attention_flops
+
+    kwargs = {k: None if type(v).__name__.endswith("Cache") else v for k, v in kwargs.items()}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    with torch.autograd.graph.saved_tensors_hooks(mark, lambda _: None), counter:
+        forward(*args, **kwargs)
+    return tuple(at_last_save) if stops_early else (counter.flops, counter.attention_flops)
 
 
 def _selective_context():
@@ -155,6 +181,8 @@ class CheckpointedForward:
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)  # nothing to save memory on in eval
+        if not self.selective and _SelectiveCount.recomputed is not None and _SelectiveCount.on_meta:
+            _SelectiveCount.recomputed(*full_recompute_flops(self.forward, args, kwargs, not self.use_reentrant))
         if self.use_reentrant:
             fn = functools.partial(self.forward, **kwargs) if kwargs else self.forward
             return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True)
@@ -226,8 +254,10 @@ SELECTIVE_RECOMPUTED_OPS = 0.9
 def cost_term(config: CheckpointConfig, cost) -> None:
     if config.selective:  # the element-wise operators run again, the matmuls do not
         cost.recomputed_op_share += SELECTIVE_RECOMPUTED_OPS
-    else:
-        cost.passes += 1  # the checkpointed blocks' forward runs again in backward
+    elif cost.recomputed_flops:  # the plan's probe counted what the recompute runs (full_recompute_flops)
+        cost.recomputed_op_share += 1.0  # its operators' launches and bytes, all but a few at the end
+    else:  # a probe on real tensors: the checkpointed blocks' forward runs again in backward, counted whole
+        cost.passes += 1
     # (their saved tensors' trips through the checkpoint's hooks: StepCost.checkpointed_saves, probed)
     # Where the probe does not measure the backward (StepCost.activation_profile): the activation
     # peak is late in backward (a block recomputed while the later blocks' gradients exist), not

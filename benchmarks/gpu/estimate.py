@@ -61,10 +61,11 @@ def costed(size: llama.LlamaSize, feature: str, profile, device_type: str, optim
             saved = cost.activation_bytes(model, strategy, {"input_ids": ids, "labels": ids}, "unpack_dict", None,
                                           probe_ctx, counts)
         b = size.batch
-        flops, ops, _, hooked, _, attention_flops, traffic, whole, recomputed = cost.scaled_counts(counts, b)
+        flops, ops, _, hooked, _, attention_flops, traffic, whole, recomputed, again = cost.scaled_counts(counts, b)
         step = cost.build_cost(model, strategy, {"data": 1}, ADAMW_STATE_FACTOR, saved * b, flops, b * size.seq,
                                device_type, ops, optim_seconds_per_byte, (), hooked, (), attention_flops,
-                               forward_traffic=traffic, whole_traffic=whole, recomputed_flops=recomputed)
+                               forward_traffic=traffic, whole_traffic=whole, recomputed_flops=recomputed,
+                               recomputed_attention=again)
     return step
 
 

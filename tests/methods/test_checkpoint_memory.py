@@ -2,6 +2,8 @@
 the plain one's, and the cost model's checkpointed activation estimate is the plain estimate less
 what each block beyond one no longer keeps."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from atorch.auto import auto_accelerate
 from atorch.auto.environment import DeviceContext
 from atorch.auto.plan import resolve_strategy
 from atorch.auto.search import cost
+from atorch.auto.search.attention import FlashAttentionProbe
 from atorch.auto.search.peak import PeakMemory
 from atorch.auto.strategy import Strategy
 from tests.helpers.models import DIM, SEQ, TinyTransformer, TokenDataset, lm_loss
@@ -86,39 +89,48 @@ def test_checkpointing_leaves_the_forwards_flops_as_they_are_on_meta_and_on_real
         assert flops["checkpointed"] == pytest.approx(flops["plain"], rel=1e-9), (device, flops)
 
 
-def _backward_flops(model, batch, keep_matmuls: str | None) -> float:
-    """FLOPs the step's backward runs (the recompute in it), counted as the operators run."""
+def _backward_flops(model, batch, config: dict | None) -> tuple[float, float]:
+    """FLOPs the step's backward runs (the recompute in it), and of them attention's, counted as
+    the operators run."""
     from atorch.auto.search.ops import OpCounter
 
-    methods = [] if keep_matmuls is None else [("checkpoint", {"selective": True, "keep_matmuls": keep_matmuls})]
-    _, result, _ = auto_accelerate(model, load_strategy=methods)
+    _, result, _ = auto_accelerate(model, load_strategy=[] if config is None else [("checkpoint", config)])
     loss = result.model(**batch).loss
     with OpCounter() as counter:
         loss.backward()
-    return counter.flops
+    return counter.flops, counter.attention_flops
 
 
-def test_every_other_matmul_is_costed_with_the_flops_its_recompute_runs():
-    """keep_matmuls="every_other" recomputes the 2nd, 4th... matmul of each block in backward: the
-    probe counts their FLOPs from the policy, on meta (a plan) and on real tensors (the search),
-    and they equal what the backward runs beyond a plain one's, counted on CPU."""
+@pytest.mark.parametrize("config", [{"selective": True, "keep_matmuls": "every_other"}, {}, {"no_reentrant": False}],
+                         ids=["every other matmul", "full", "full, reentrant"])
+def test_the_probe_counts_the_flops_a_checkpoints_recompute_runs(config):
+    """keep_matmuls="every_other" recomputes the 2nd, 4th... matmul of each block; full
+    checkpointing recomputes the block's forward up to its last saved tensor (torch's
+    non-reentrant checkpoint stops there: a Llama block's down projection is not run again), the
+    reentrant one all of it. The probe counts those FLOPs (every_other from its policy, on meta
+    and real tensors; full by running each block once more, on meta: the plan's probe), and they
+    equal what the backward runs beyond a plain one's, counted on CPU. Full checkpointing was
+    charged a whole forward again: 1.44x what a tiny Llama's recomputes."""
     from tests.helpers.hf import CountingTokens, tiny_llama
 
     data = CountingTokens()
     batch = {k: torch.stack([data[i][k] for i in range(4)]) for k in ("input_ids", "labels")}
-    torch.manual_seed(0)
-    extra = _backward_flops(tiny_llama(), batch, "every_other") - _backward_flops(tiny_llama(), batch, None)
-    assert extra > 0 and _backward_flops(tiny_llama(), batch, "all") == _backward_flops(tiny_llama(), batch, None)
+    plain = _backward_flops(tiny_llama(), batch, None)
+    checkpointed = _backward_flops(tiny_llama(), batch, config)
+    extra = (checkpointed[0] - plain[0], checkpointed[1] - plain[1])
+    assert extra[0] > 0
+    assert _backward_flops(tiny_llama(), batch, {"selective": True}) == plain  # keeps every matmul
     device_ctx = DeviceContext(1, 1, torch.device("cpu"), None, 2**40)
-    strategy = [("checkpoint", {"selective": True, "keep_matmuls": "every_other"})]
-    for device in ("meta", "cpu"):
+    for device in ("meta", "cpu") if config.get("selective") else ("meta",):
         with torch.device(device):
             model = tiny_llama()
         counts: list = []
-        cost.activation_bytes(model, resolve_strategy(model, Strategy(strategy)),
-                              {k: v.to(device) for k, v in batch.items()}, "unpack_dict",
-                              None if device == "meta" else (lambda b, out: out.loss), device_ctx, counts)
-        assert counts[8] == extra, (device, counts[8], extra)
+        # on meta as the plan probes (torch's flash kernel, which has meta rules; the CPU's own ran)
+        with FlashAttentionProbe() if device == "meta" else contextlib.nullcontext():
+            cost.activation_bytes(model, resolve_strategy(model, Strategy([("checkpoint", config)])),
+                                  {k: v.to(device) for k, v in batch.items()}, "unpack_dict",
+                                  None if device == "meta" else (lambda b, out: out.loss), device_ctx, counts)
+        assert (counts[8], counts[9]) == extra, (device, counts[8:], extra)
 
 
 def test_every_other_matmul_keeps_less_than_selective_and_more_than_full():

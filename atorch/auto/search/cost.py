@@ -156,7 +156,8 @@ class _SavedBytes:
         self.packed = 0  # tensors saved (parameters and repeats included): what a checkpoint's hooks would see
         self._kept: list[torch.Tensor] = []  # what selective checkpointing keeps (see kept)
         self._casts: list[torch.Tensor] = []  # weight casts reported by meta_autocast (see weight_cast)
-        self.recomputed_flops = 0  # of the matmuls a selective checkpoint recomputes (see recomputed)
+        self.recomputed_flops = 0  # what a checkpoint's backward runs again (see recomputed)
+        self.recomputed_attention = 0  # of them, attention's
 
     def pack(self, tensor: torch.Tensor):
         self.packed += 1
@@ -181,10 +182,12 @@ class _SavedBytes:
                 self._kept.append(self.pack(tensor))
                 self.packed = packed  # not a tensor through the hooks
 
-    def recomputed(self, flops: int) -> None:
-        """Count the FLOPs of a matmul selective checkpointing will run again in backward
-        (``atorch.methods.checkpoint.every_other_matmul_policy`` reports them)."""
+    def recomputed(self, flops: int, attention: int) -> None:
+        """Count FLOPs a checkpoint will run again in backward, and of them attention's (the
+        matmuls ``atorch.methods.checkpoint.every_other_matmul_policy`` recomputes; on meta
+        tensors, full checkpointing's, ``checkpoint.full_recompute_flops``)."""
         self.recomputed_flops += flops
+        self.recomputed_attention += attention
 
     def weight_cast(self, _weight: torch.Tensor, cast: torch.Tensor) -> None:
         """Count ``cast`` (amp_native's emulated autocast's copy of a weight, on meta tensors) as
@@ -227,13 +230,13 @@ def _counting_selective(counter: "_SavedBytes", on_meta: bool):
     matmuls it will recompute are counted (see ``recomputed``)."""
     from atorch.methods.checkpoint import _SelectiveCount
 
-    before = _SelectiveCount.active, _SelectiveCount.recomputed
+    before = _SelectiveCount.active, _SelectiveCount.recomputed, _SelectiveCount.on_meta
     _SelectiveCount.active = counter.kept if on_meta else None
-    _SelectiveCount.recomputed = counter.recomputed
+    _SelectiveCount.recomputed, _SelectiveCount.on_meta = counter.recomputed, on_meta
     try:
         yield
     finally:
-        _SelectiveCount.active, _SelectiveCount.recomputed = before
+        _SelectiveCount.active, _SelectiveCount.recomputed, _SelectiveCount.on_meta = before
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -332,7 +335,7 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
     if counts is not None:
         counts.extend([op_counter.flops, op_counter.count, profile, counter.packed, spans,
                        op_counter.attention_flops, op_counter.traffic, op_counter.whole_traffic,
-                       counter.recomputed_flops])
+                       counter.recomputed_flops, counter.recomputed_attention])
     saved = _with_activation_terms(strategy, stages, counter.by_dtype) if on_meta else counter.by_dtype
     return sum(saved.values()), checkpointed
 
@@ -518,7 +521,7 @@ def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, mod
     counted: list = []
     saved, checkpointed = _probe(memo, model, strategy, batch, model_input_format, loss_func, device_ctx,
                                  PROBED_STAGES, counted)
-    flops, ops, (reference, profile), packed, spans, attention, traffic, whole, recomputed = counted
+    flops, ops, (reference, profile), packed, spans, attention, traffic, whole, recomputed, again = counted
     hooked = 0
     if checkpointed:
         plain: list = []
@@ -538,7 +541,7 @@ def activation_bytes(model: torch.nn.Module, strategy: Strategy, batch: Any, mod
     if profile:
         saved = reference
     if counts is not None:
-        counts.extend([flops, ops, profile, hooked, spans, attention, traffic, whole, recomputed])
+        counts.extend([flops, ops, profile, hooked, spans, attention, traffic, whole, recomputed, again])
     return saved
 
 
@@ -548,12 +551,12 @@ def scaled_counts(counts: list, scale: float) -> list:
     them; the operators a step dispatches and the tensors through checkpoints' hooks do not (one
     kernel takes the whole batch), and the activation profile and the units' spans are shares.
 
-    >>> scaled_counts([10.0, 5, (), 2, (), 4.0, 8.0, 2.0, 1.0], 3)
-    [30.0, 5, (), 2, (), 12.0, 24.0, 6.0, 3.0]
+    >>> scaled_counts([10.0, 5, (), 2, (), 4.0, 8.0, 2.0, 1.0, 0.5], 3)
+    [30.0, 5, (), 2, (), 12.0, 24.0, 6.0, 3.0, 1.5]
     """
-    flops, ops, profile, hooked, spans, attention, traffic, whole, recomputed = counts
+    flops, ops, profile, hooked, spans, attention, traffic, whole, recomputed, again = counts
     return [flops * scale, ops, profile, hooked, spans, attention * scale, traffic * scale, whole * scale,
-            recomputed * scale]
+            recomputed * scale, again * scale]
 
 
 def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int], state_factor: float,
@@ -561,7 +564,8 @@ def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int],
                forward_ops: float = 0.0, optim_seconds_per_byte: float = 0.0,
                activation_profile: tuple = (), checkpointed_saves: float = 0.0, unit_spans: tuple = (),
                attention_flops: float = 0.0, accumulation: int = 1, forward_traffic: float = 0.0,
-               whole_traffic: float = 0.0, recomputed_flops: float = 0.0) -> StepCost:
+               whole_traffic: float = 0.0, recomputed_flops: float = 0.0,
+               recomputed_attention: float = 0.0) -> StepCost:
     """The candidate's :class:`StepCost`: the whole model's terms, then each method's ``cost_term``
     (``accumulation``: see StepCost.accumulation), in the order the methods are applied whatever
     the list's order: a term reads what the earlier ones set (expert_parallel's ``held_apart``
@@ -588,6 +592,7 @@ def build_cost(model: torch.nn.Module, strategy: Strategy, dims: dict[str, int],
     cost.attention_flops = attention_flops
     cost.forward_traffic = forward_traffic
     cost.recomputed_flops = recomputed_flops
+    cost.recomputed_attention = min(recomputed_attention, recomputed_flops)
     cost.whole_traffic = min(whole_traffic, forward_traffic)
     cost.charge("step")  # the training step's own host overhead (StepCost.overheads)
     configs = dict(strategy.items())

@@ -64,12 +64,13 @@ def cost_candidate(model, strategy, dims, state_factor, probe, device_type: str 
         activations, tokens = probe(strategy, counts, dims)
         # FLOPs, operators, activation profile, tensors through checkpoints, units' spans, FLOPs in
         # attention, bytes the operators without FLOPs move (and of them those a tensor rank moves
-        # whole), FLOPs a selective checkpoint recomputes; a probe may count only the FLOPs
-        flops, ops, profile, hooked, spans, attention, traffic, whole, recomputed = (
-            counts + [0.0, 0.0, (), 0, (), 0.0, 0.0, 0.0, 0.0][len(counts):])
+        # whole), FLOPs a checkpoint recomputes (and of them attention's); a probe may count only
+        # the FLOPs
+        flops, ops, profile, hooked, spans, attention, traffic, whole, recomputed, again = (
+            counts + [0.0, 0.0, (), 0, (), 0.0, 0.0, 0.0, 0.0, 0.0][len(counts):])
         return cost.build_cost(model, strategy, dims, state_factor, activations, flops, tokens, device_type, ops,
                                optim_seconds_per_byte, profile, hooked, spans, attention, accumulation, traffic,
-                               whole, recomputed), None
+                               whole, recomputed, again), None
     except Exception as error:  # noqa: BLE001
         logger.debug("no estimate for %s: %s", strategy.opt_names, error)
         return None, None

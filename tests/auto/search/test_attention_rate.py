@@ -34,7 +34,7 @@ def _counts(model, batch, input_format="unpack_dict") -> list:
 
 def test_the_probe_counts_the_forwards_flops_in_attention():
     model, batch = _llama()
-    flops, *_, attention, _traffic, _whole, _recomputed = _counts(model, batch)
+    flops, *_, attention, _traffic, _whole, _recomputed, _again = _counts(model, batch)
     # causal attention over 2 x 16 tokens, 2 heads of 16: q @ k^T and p @ v, 2 FLOPs per multiply-add
     layers, heads, seq, head = model.config.num_hidden_layers, 2, 16, 16
     assert attention == pytest.approx(layers * 2 * (2 * 2 * heads * seq * seq * head))
@@ -45,7 +45,7 @@ def test_the_probe_counts_the_forwards_flops_in_attention():
 
 def test_the_step_estimate_charges_attention_at_its_own_rate(tmp_path):
     model, batch = _llama()
-    flops, _, profile, hooked, spans, attention, _traffic, _whole, _recomputed = _counts(model, batch)
+    flops, _, profile, hooked, spans, attention, _traffic, _whole, _recomputed, _again = _counts(model, batch)
     h100 = dataclasses.replace(load_profile("h100_80gb"), attention_flops={})  # attention at the matmul rate
     slow = dataclasses.replace(h100, attention_flops={"fp32": h100.rate("fp32") / 10, "bf16": h100.rate("half") / 10})
 
@@ -59,7 +59,7 @@ def test_the_step_estimate_charges_attention_at_its_own_rate(tmp_path):
     assert seconds(slow) - seconds(h100) == pytest.approx(9 * 3 * attention / h100.rate("fp32"), rel=1e-6)
     assert h100.attention_rate("half") == h100.rate("half")  # a profile without attention rates: the matmul rate
     calibrated = load_profile("h100_80gb")  # fitted to published and measured runs (benchmarks/fit_profile.py)
-    assert calibrated.attention_rate("half") == pytest.approx(0.38 * calibrated.peak("half"), rel=1e-3)
+    assert calibrated.attention_rate("half") == pytest.approx(0.36 * calibrated.peak("half"), rel=1e-3)
 
     data = json.loads(load_profile.__globals__["FOLDER"].joinpath("h100_80gb.json").read_text())
     data["attention_flops"] = {"bf16": -1.0}

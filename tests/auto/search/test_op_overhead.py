@@ -31,7 +31,7 @@ def test_the_probe_counts_the_forward_operators():
     counts: list = []
     cost.activation_bytes(_model(), Strategy([("parallel_mode", {})]), torch.randn(2, 16), None, None,
                           DeviceContext.detect(), counts)
-    flops, ops, profile, hooked, spans, attention, traffic, whole, recomputed = counts
+    flops, ops, profile, hooked, spans, attention, traffic, whole, recomputed, _again = counts
     assert hooked == 0 and attention == 0 and recomputed == 0  # no checkpoint: no tensor goes through its hooks
     assert traffic == whole == 0  # a Linear is a view of its weight and a matmul: nothing without FLOPs moves data
     assert profile == () and spans == ()  # no loss: the backward is not probed
