@@ -30,6 +30,8 @@ VARIANTS = {
     "half": ("half", {"dtype": "bf16"}),
     "checkpoint": ("checkpoint", {}),
     "checkpoint_selective": ("checkpoint", {"selective": True}),
+    # torchtitan's per-op policy: every second matmul of a block recomputed too
+    "checkpoint_every_other": ("checkpoint", {"selective": True, "keep_matmuls": "every_other"}),
     "gradient_accumulation": ("gradient_accumulation", {"steps": 2}),
     # aot_eager: dynamo's capture and AOT autograd, without inductor's minutes of C++ compiling.
     "native_dynamo": ("native_dynamo", {"backend": "aot_eager"}),

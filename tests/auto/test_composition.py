@@ -149,7 +149,7 @@ DEFAULT_PAIRS = [
     ("native_dynamo", "zero2"), ("native_dynamo", "tensor_parallel"),
     ("zero1", "module_replace"), ("module_replace", "mixed_parallel"),
     ("fsdp", "amp_native"), ("pipeline_parallel", "checkpoint"),
-    ("checkpoint_selective", "tensor_parallel"), ("gradient_accumulation", "fsdp"),
+    ("checkpoint_selective", "tensor_parallel"), ("checkpoint_every_other", "fsdp"), ("gradient_accumulation", "fsdp"),
     ("amp_native", "expert_parallel"), ("expert_parallel", "fsdp"),  # on the tiny Mixtral
     ("fused_optimizer", "zero1"),  # ZeRO builds its own optimizer: it must get the fused step too
 ]
