@@ -72,6 +72,15 @@ FOUNDRY = {
     },
 }
 
+# each H100 row's global batch in sequences, as published (MicroBatchSize x GradAccum x GPUs):
+# benchmarks/plan_published.py plans the run at it
+GLOBAL_BATCH = {
+    ("1b", 2048, 64): 1280, ("3b", 4096, 8): 240, ("7b", 2048, 8): 48, ("7b", 4096, 8): 256, ("7b", 32768, 8): 32,
+    ("13b", 2048, 64): 128, ("13b", 4096, 8): 240, ("30b", 2048, 32): 1344, ("70b", 2048, 64): 2048,
+    ("1b", 4096, 8): 224, ("3b", 8192, 8): 144, ("7b", 8192, 8): 128, ("13b", 16384, 8): 72, ("30b", 4096, 8): 168,
+    ("70b", 2048, 32): 1024, ("30b", 8192, 8): 168,
+}
+
 # Llama shapes (Hugging Face LlamaConfig fields) of the torchtitan runs below
 LLAMA = {
     "Llama 3 8B": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

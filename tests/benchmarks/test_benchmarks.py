@@ -169,6 +169,18 @@ def test_the_profiles_reproduce_published_runs_within_15_percent(tmp_path, profi
     assert len(titan) == (6 if profile == "a100_80gb" else 2)
 
 
+def test_the_plan_at_a_published_runs_global_batch_estimates_its_measured_mfu_within_15_percent(tmp_path):
+    """benchmarks/plan_published.py, its first run (MPT-1B on 64 H100s, 1280 sequences): the
+    plan's pick, free to be any layout, within 15% of the MFU llm-foundry measured (the whole
+    table: benchmarks/results/plan_published.md)."""
+    pytest.importorskip("transformers")
+    from benchmarks import plan_published
+
+    plan_published.main(["--tiny", "--out", str(tmp_path / "plan_published")])
+    row, = json.loads((tmp_path / "plan_published.json").read_text())["rows"]
+    assert row["pick"] and 0.85 <= row["ratio"] <= 1.15, row
+
+
 def test_plan_llama_benchmark_runs_and_writes_results(tmp_path):
     pytest.importorskip("transformers")
     from benchmarks import plan_llama
