@@ -172,7 +172,8 @@ class StepCost:
     # bf16 step rate / fp32 step rate measured on this machine (speedup.py), used with the nominal
     # rates only (a profile has its own); None: the nominal half rate
     half_speedup: float | None = None
-    passes: float = 3.0  # forward + backward in forwards' FLOPs (full checkpointing adds one where no probe counted its recompute)
+    # forward + backward in forwards' FLOPs (full checkpointing adds one where no probe counted its recompute)
+    passes: float = 3.0
     # operators run again in backward beyond ``passes``, as a share of the forward's, without their
     # FLOPs: selective checkpointing recomputes the element-wise ones, not the matmuls
     recomputed_op_share: float = 0.0
