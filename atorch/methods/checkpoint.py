@@ -41,7 +41,7 @@ class CheckpointConfig(MethodConfig):
     keep_matmuls: Literal["all", "every_other"] = Field(
         default="all", description="with selective: the matmul (Linear) outputs kept: 'all', or 'every_other' "
         "(the 2nd, 4th... of each block recomputed in backward, as torchtitan's per-op policy: less memory, "
-        "more recompute)")
+        "more recompute)", json_schema_extra={"omitted_at_default": True})
 
     @model_validator(mode="after")
     def _selective_needs_non_reentrant(self):

@@ -106,10 +106,7 @@ class RecordedMachine:
         self.runs: dict[str, int] = {}
 
     def key(self, strategy) -> str:
-        """The strategy as written with only what differs from each config's defaults: a field a
-        method gains later (with a default) changes no reading."""
-        return json.dumps([(name, config.model_dump(mode="json", exclude_defaults=True))
-                           for name, config in strategy.items()], sort_keys=True)
+        return json.dumps(strategy.to_dict(), sort_keys=True)
 
     def step_seconds(self, strategy, run: int, count: int) -> list[float]:
         key = self.key(strategy)
