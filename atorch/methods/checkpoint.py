@@ -125,9 +125,11 @@ def _report_kept(ctx, op, args, kwargs) -> None:
 
 
 def matmul_flops(op, args) -> int:
-    """FLOPs of a Linear's matmul: ``mm(a, b)`` or ``addmm(bias, a, b)``, a (m x k) by b (k x n)."""
-    a, b = args[-2:] if getattr(op, "overloadpacket", op) is torch.ops.aten.addmm else args[:2]
-    return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    """FLOPs of a Linear's matmul (``mm`` or ``addmm``) by torch's formula, as the probe's
+    OpCounter counts them (before it runs: the formula needs only the inputs' shapes)."""
+    from torch.utils.flop_counter import flop_registry
+
+    return flop_registry[getattr(op, "overloadpacket", op)](*args, out_val=None)
 
 
 class _SelectiveCount:
