@@ -171,10 +171,10 @@ def main(argv: list[str] | None = None) -> str:
     rows += [{**estimated_mfu(point, profile), "set": "missed"} for point in ([] if args.tiny else table["missed"])]
     titan = [] if args.tiny else torchtitan_rows(profile)
     source = f"{LLM_FOUNDRY}, table '{table['table']}'"
-    markdown = foundry_markdown(profile, source, rows) + torchtitan_markdown(profile, titan)
+    worst = {name: max(abs(r["ratio"] - 1) for r in rows if r["set"] == name) for name in ("fit", "held out")}
+    markdown = foundry_markdown(profile, source, rows, worst) + torchtitan_markdown(profile, titan)
     suffix = "" if profile.name == "h100_80gb" else f"_{profile.name}"
     out = args.out or str(Path(__file__).resolve().parent / "results" / f"published_mfu{suffix}")
-    worst = {name: max(abs(r["ratio"] - 1) for r in rows if r["set"] == name) for name in ("fit", "held out")}
     harness.write(out, {"profile": profile.name, "source": source, "rows": rows, "worst_error": worst,
                         "torchtitan": {"source": TORCHTITAN.get(profile.name, {}).get("source"), "rows": titan}},
                   markdown)
@@ -182,8 +182,7 @@ def main(argv: list[str] | None = None) -> str:
     return markdown
 
 
-def foundry_markdown(profile, source: str, rows: list[dict]) -> str:
-    worst = {name: max(abs(r["ratio"] - 1) for r in rows if r["set"] == name) for name in ("fit", "held out")}
+def foundry_markdown(profile, source: str, rows: list[dict], worst: dict) -> str:
     table = harness.table(
         ["run", "sequence", "GPUs", "microbatch", "checkpointing", "published MFU", "estimated MFU",
          "estimated / published", "set"],
