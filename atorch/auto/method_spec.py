@@ -122,8 +122,17 @@ class MethodSpec:
     applies_to: Callable[[Any], bool] | None = None
     # The search does not cross this method with every candidate: it changes how the pick runs,
     # not what a rank holds (torch.compile, a fused optimizer step), so it is tried on the pick
-    # alone, timed side by side with it and kept where it runs faster (atorch/auto/search/refine.py).
+    # alone, timed side by side with it and kept where it runs faster beyond the tie, or see
+    # kept_unless_slower (atorch/auto/search/refine.py).
     tried_on_pick: bool = False
+    # With tried_on_pick: the trial is kept unless its turns beside the pick show it slower beyond
+    # the tie (the high end of the band of the pick's turn over the trial's below 1 - TIE); the
+    # others are kept only where their turns show them faster beyond the tie. For a method that
+    # costs nothing where it is as fast (no warm-up, no memory, the same update: fused_optimizer):
+    # a real gain near the tie, read on either side of it from one search to the next, was kept in
+    # some searches and not in others: the fused step's 1-16% on search_quality.py's held-out
+    # scenarios (2026-11-28), kept in 1 of 3 GPT-2 searches and 2 of 3 MLP searches.
+    kept_unless_slower: bool = False
     # ``(ctx, config) -> reason | None``: why this job (its optimizer, ...: a ModelContext) cannot
     # use the method, so the search does not try it on the pick (fused_optimizer beside an
     # optimizer with no fused step, as a trainer's wrapped ``configure_optimizers`` is).

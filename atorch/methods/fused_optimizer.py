@@ -78,6 +78,7 @@ register_method(
         description="the optimizer's fused (or multi-tensor) step: the same update in fewer kernels",
         search_space=({},),
         tried_on_pick=True,
+        kept_unless_slower=True,  # the same update and state: nothing lost where it is as fast
         job_unsupported=job_unsupported,
         cost_term=cost_term,
     )

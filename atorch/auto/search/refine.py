@@ -11,7 +11,9 @@ on the pick alone:
    seconds over the pick's (the compile) are spread over ``planned_steps`` and added to each of
    its turns;
 4. kept where the pick's turns are behind its own beyond the tie (sidebyside.TIE, the band of the
-   ratio as the close call reads it), then dry-run for its peak, which must fit the budget.
+   ratio as the close call reads it), or, for a method that costs nothing where it is as fast
+   (``MethodSpec.kept_unless_slower``: the fused step), unless they are ahead of its own beyond
+   the tie; then dry-run for its peak, which must fit the budget.
 
 Each trial is a row of the report: kept (measured), or pruned with the figures that decided.
 """
@@ -32,7 +34,7 @@ from atorch.errors import AtorchConfigError
 from atorch.utils.log import quiet
 
 # Why a trial was not kept, as counted in the report (SearchReport.pruned).
-NOT_FASTER, CANNOT_PAY = "not_faster", "cannot_pay"
+NOT_FASTER, SLOWER_THAN_PICK, CANNOT_PAY = "not_faster", "slower_than_pick", "cannot_pay"
 
 
 def refine_pick(run: SearchRun, excluded=None, estimate=None) -> None:
@@ -99,7 +101,7 @@ def _trial(run: SearchRun, pick: tuple, name: str, config: dict, estimate) -> tu
         row.reason, row.pruned_by = "not tried: it and the pick do not fit the device together, or the time left", \
             CANNOT_PAY
         return None
-    return _timed_trial(run, pick, strategy, row)
+    return _timed_trial(run, pick, strategy, row, spec.kept_unless_slower)
 
 
 def _planned(run: SearchRun, base: Strategy, name: str, config: dict) -> Strategy | str | None:
@@ -122,8 +124,10 @@ def _room(run: SearchRun, pick) -> bool:
     return fits and from_rank0(remaining is None or remaining >= 4 * (pick.seconds or 0.0))
 
 
-def _timed_trial(run: SearchRun, pick: tuple, strategy: Strategy, row: CandidateResult) -> tuple | None:
-    """Time the trial beside the pick; kept (dry-run for its peak) where it is ahead beyond the tie."""
+def _timed_trial(run: SearchRun, pick: tuple, strategy: Strategy, row: CandidateResult,
+                 unless_slower: bool = False) -> tuple | None:
+    """Time the trial beside the pick; kept (dry-run for its peak) where it is ahead beyond the tie,
+    or, ``unless_slower``, where it is not behind beyond the tie."""
     run.say(f"search: trying {row.name} on the pick, side by side")
     with quiet():
         outcome = time_side_by_side(run.model, [pick[0], strategy], run.make_context, run.apply,
@@ -141,8 +145,9 @@ def _timed_trial(run: SearchRun, pick: tuple, strategy: Strategy, row: Candidate
     figures = (f"side by side the pick ran {pick_band[0]:.3f}x the trial's step (band {pick_band[1]:.3f}-"
                f"{pick_band[2]:.3f}), the trial's warm-up {once:.1f}s longer, spread over "
                f"{run.options.planned_steps} planned steps")
-    if pick_band[1] <= 1 + TIE:
-        row.reason, row.pruned_by = f"not faster than the pick beyond the tie ({TIE:.1%}): {figures}", NOT_FASTER
+    refused = _refused(pick_band, unless_slower, figures)
+    if refused is not None:
+        row.reason, row.pruned_by = refused
         return None
     outcome = measure(run, strategy, row, run.options.timed_steps, run.options.dryrun_timeout, run.time_left())
     if outcome["reason"] is not None:
@@ -153,8 +158,23 @@ def _timed_trial(run: SearchRun, pick: tuple, strategy: Strategy, row: Candidate
     judge(row, run.options)  # FAILED, with why, where its measured peak is over the budget
     if row.status != MEASURED:
         return None
-    row.reason = f"kept on the pick: {figures}"
+    row.reason = f"kept on the pick{' (not slower beyond the tie)' if unless_slower else ''}: {figures}"
     return strategy, row
+
+
+def _refused(pick_band: tuple, unless_slower: bool, figures: str) -> tuple[str, str] | None:
+    """Why a trial timed beside the pick is not kept, and the report's name for it; None where it is.
+
+    >>> _refused((1.01, 0.99, 1.03), False, "f")[1], _refused((1.01, 0.99, 1.03), True, "f")
+    ('not_faster', None)
+    >>> _refused((0.95, 0.94, 0.96), True, "f")[1]
+    'slower_than_pick'
+    """
+    if unless_slower and pick_band[2] < 1 - TIE:
+        return f"slower than the pick beyond the tie ({TIE:.1%}): {figures}", SLOWER_THAN_PICK
+    if not unless_slower and pick_band[1] <= 1 + TIE:
+        return f"not faster than the pick beyond the tie ({TIE:.1%}): {figures}", NOT_FASTER
+    return None
 
 
 def pick_behind(pick_turns: list[float], trial_turns: list[float]) -> tuple[float, float, float]:

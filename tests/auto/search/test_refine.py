@@ -50,6 +50,20 @@ def test_a_method_that_makes_the_pick_faster_is_kept_and_one_that_slows_it_is_no
     assert row.status == "pruned" and row.pruned_by == "not_faster" and "0." in row.reason
 
 
+def test_a_method_kept_unless_slower_is_kept_where_as_fast_and_not_where_slower(tmp_path):
+    # The fused step's rule: as fast (the band covers the tie) is kept, so a gain near the tie is
+    # not kept in one search and dropped in the next; clearly slower is not kept, with its figures.
+    path = str(tmp_path / "report.json")
+    status, names, _ = run_distributed(search_with, 2, path, "_idles", ONLY_DDP)[0]
+    [row] = _trial_rows(path, "_idles")
+    assert status and "_idles" in names and row.status == "measured", row.reason
+    assert "not slower beyond the tie" in row.reason
+    status, names, nap = run_distributed(search_with, 2, path, "_naps_free", ONLY_DDP)[0]
+    [row] = _trial_rows(path, "_naps_free")
+    assert "_naps_free" not in names and nap > 0
+    assert row.status == "pruned" and row.pruned_by == "slower_than_pick" and "band" in row.reason
+
+
 def test_an_excluded_method_is_not_tried_on_the_pick(tmp_path):
     path = str(tmp_path / "report.json")
     run_distributed(search_with, 2, path, "_wakes", ONLY_DDP + ["_wakes"])
