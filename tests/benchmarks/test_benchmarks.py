@@ -218,3 +218,18 @@ def test_plan_moe_benchmark_sets_the_pick_and_the_published_layout_beside_the_pu
     rows = json.loads((tmp_path / "plan_moe.json").read_text())["rows"]
     assert [row[3] for row in rows] == ["atorch's pick", "the published layout"]
     assert all("expert_parallel" in row[4] for row in rows) and all(row[8] == "12,040" for row in rows)
+
+
+def test_the_exhaustive_best_gets_every_combination_of_the_methods_tried_on_the_pick():
+    # search_quality.py compares the search's refined pick with the exhaustive best given the same trials
+    from atorch.auto.strategy import Strategy
+    from benchmarks import refined_best
+
+    best = Strategy(["parallel_mode", "zero1"])
+    tried = refined_best.trial_methods(None)
+    assert "fused_optimizer" in tried
+    found = refined_best.variants(best, None)
+    assert len(found) == 2 ** len(tried) and found["best"] == best
+    assert found["best + fused_optimizer"] == best.with_method("fused_optimizer")
+    assert list(refined_best.variants(best, ["fused_optimizer", "native_dynamo"])) == ["best"]
+    assert "best + fused_optimizer" not in refined_best.variants(best.with_method("fused_optimizer"), None)

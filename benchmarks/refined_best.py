@@ -1,0 +1,84 @@
+"""The exhaustive run's best, given what the search's stage 5b gives its own pick.
+
+The search tries the methods that change how a strategy runs, not what a rank holds
+(``MethodSpec.tried_on_pick``: the fused optimizer step, torch.compile), on its pick alone; the
+exhaustive run dry-runs the search's space, which holds none of them. Its best is then a strategy
+the search could have bettered by the same trials, and the search's pick, refined, can run faster
+than "the best" (1.215 and 1.280 of it on search_quality.py's held-out BERT and MLP, 2026-11-28).
+
+Here the exhaustive best is given every combination of those methods (the ones this device and
+this job can run and the scenario does not exclude), each variant and the search's pick are timed
+in the same interleaved blocks, and the best is the fastest of the variants. A variant's warm-up
+beyond the quickest one's (a compile) is spread over the search's ``planned_steps`` and added to
+each of its steps, as the search charges it; the pick is charged the same way.
+"""
+
+import itertools
+import statistics
+import time
+
+from benchmarks import harness
+
+PLANNED_STEPS = 1000  # the search's default (SearchOptions.planned_steps)
+WARMUP = 2  # steps each variant runs before the interleaved blocks: a compile happens here
+
+
+def trial_methods(excluded) -> list[str]:
+    """The methods the search would try on its pick here, in the order it tries them."""
+    from atorch.auto.environment import DeviceContext
+    from atorch.auto.registry import all_methods
+
+    device_ctx = DeviceContext.detect()
+    names = []
+    for spec in all_methods():
+        if not spec.tried_on_pick or spec.name in (excluded or ()):
+            continue
+        if all(spec.unsupported is None or spec.unsupported(device_ctx, spec.config_cls(**c)) is None
+               for c in spec.search_space):
+            names.append(spec.name)
+    return names
+
+
+def variants(best, excluded) -> dict[str, object]:
+    """``best`` with every combination of the trial methods it lacks (itself first), by label."""
+    methods = [name for name in trial_methods(excluded) if name not in best]
+    out = {}
+    for count in range(len(methods) + 1):
+        for added in itertools.combinations(methods, count):
+            strategy = best
+            for name in added:
+                strategy = strategy.with_method(name)
+            out["best" + "".join(f" + {name}" for name in added)] = strategy
+    return out
+
+
+def charged_samples(steps: dict, repeats: int, steps_per_block: int) -> dict[str, list[float]]:
+    """Each variant's seconds a step in interleaved blocks, its extra warm-up (over the quickest
+    warm-up) spread over PLANNED_STEPS and added to each; every rank calls it alike."""
+    warmups = {}
+    for label, step in steps.items():
+        start = time.perf_counter()
+        for _ in range(WARMUP):
+            step()
+        warmups[label] = harness._slowest(time.perf_counter() - start)
+    samples = harness.interleave(steps, repeats, steps_per_block, warmup=0)
+    quickest = min(warmups.values())
+    return {label: [s + (warmups[label] - quickest) / PLANNED_STEPS for s in values]
+            for label, values in samples.items()}
+
+
+def picked_against_best(build_step, picked, best, excluded, repeats: int, steps_per_block: int) -> dict:
+    """The pick timed beside every variant of ``best``: the fastest variant (its label and
+    strategy), picked/best throughput, and the charged samples. ``build_step(strategy)`` gives a
+    function that runs one optimizer step of it."""
+    candidates = variants(best, excluded)
+    same = next((label for label, strategy in candidates.items() if strategy == picked), None)
+    steps = {label: build_step(strategy) for label, strategy in candidates.items()}
+    if same is None:
+        steps["picked"] = build_step(picked)
+    samples = charged_samples(steps, repeats, steps_per_block)
+    medians = {label: statistics.median(values) for label, values in samples.items() if label != "picked"}
+    fastest = min(medians, key=medians.get)
+    picked_median = medians[same] if same is not None else statistics.median(samples["picked"])
+    return {"best_label": fastest, "best": candidates[fastest], "ratio": medians[fastest] / picked_median,
+            "picked_is": same, "samples": samples}
