@@ -10,7 +10,9 @@ Here the exhaustive best is given every combination of those methods (the ones t
 this job can run and the scenario does not exclude), each variant and the search's pick are timed
 in the same interleaved blocks, and the best is the fastest of the variants. A variant's warm-up
 beyond the quickest one's (a compile) is spread over the search's ``planned_steps`` and added to
-each of its steps, as the search charges it; the pick is charged the same way.
+each of its steps, as the search charges it; the pick is charged the same way. A compile's
+warm-up is what it takes here: where inductor's on-disk cache already holds the graph (the
+search compiled it, or an earlier run did), a cache hit's, not a new machine's cold compile.
 """
 
 import itertools
@@ -52,19 +54,27 @@ def variants(best, excluded) -> dict[str, object]:
     return out
 
 
-def charged_samples(steps: dict, repeats: int, steps_per_block: int) -> dict[str, list[float]]:
+def charged_samples(steps: dict, repeats: int, steps_per_block: int) -> tuple[dict[str, list[float]], dict]:
     """Each variant's seconds a step in interleaved blocks, its extra warm-up (over the quickest
-    warm-up) spread over PLANNED_STEPS and added to each; every rank calls it alike."""
-    warmups = {}
-    for label, step in steps.items():
-        start = time.perf_counter()
-        for _ in range(WARMUP):
-            step()
+    warm-up) spread over PLANNED_STEPS and added to each; every rank calls it alike. A variant
+    whose warm-up fails on any rank is left out (as the search records a failed trial), with why."""
+    warmups, failed = {}, {}
+    for label, step in list(steps.items()):
+        start, error = time.perf_counter(), None
+        try:
+            for _ in range(WARMUP):
+                step()
+        except Exception as exc:  # noqa: BLE001 - a variant this job cannot run (compile on a traced pipeline)
+            error = f"{type(exc).__name__}: {str(exc)[:300]}"
+        if harness._slowest(0.0 if error is None else 1.0) > 0:
+            failed[label] = error or "failed on another rank"
+            del steps[label]
+            continue
         warmups[label] = harness._slowest(time.perf_counter() - start)
     samples = harness.interleave(steps, repeats, steps_per_block, warmup=0)
     quickest = min(warmups.values())
     return {label: [s + (warmups[label] - quickest) / PLANNED_STEPS for s in values]
-            for label, values in samples.items()}
+            for label, values in samples.items()}, {"failed": failed, "warmup_seconds": warmups}
 
 
 def picked_against_best(build_step, picked, best, excluded, repeats: int, steps_per_block: int) -> dict:
@@ -76,9 +86,9 @@ def picked_against_best(build_step, picked, best, excluded, repeats: int, steps_
     steps = {label: build_step(strategy) for label, strategy in candidates.items()}
     if same is None:
         steps["picked"] = build_step(picked)
-    samples = charged_samples(steps, repeats, steps_per_block)
+    samples, notes = charged_samples(steps, repeats, steps_per_block)
     medians = {label: statistics.median(values) for label, values in samples.items() if label != "picked"}
     fastest = min(medians, key=medians.get)
     picked_median = medians[same] if same is not None else statistics.median(samples["picked"])
     return {"best_label": fastest, "best": candidates[fastest], "ratio": medians[fastest] / picked_median,
-            "picked_is": same, "samples": samples}
+            "picked_is": same, "samples": samples, **notes}

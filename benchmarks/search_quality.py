@@ -359,6 +359,7 @@ def scenario(name: str, size: Size, spec: Scenario, repeats: int, steps: int, re
                                                  excluded, repeats, steps)
     return {**common, **search, "picked": picked.to_dict(), "best": timed["best"].to_dict(),
             "exhaustive_best": best["config"], "best_variant": timed["best_label"], "picked_is": timed["picked_is"],
+            "variants_failed": timed["failed"], "variants_warmup_seconds": timed["warmup_seconds"],
             "throughput_ratio": timed["ratio"], "fits": _fits_text(winner, budget, _fits(winner, budget, model, world)),
             "samples": timed["samples"]}
 
