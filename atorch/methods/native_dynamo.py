@@ -19,7 +19,7 @@ from pydantic import Field, model_validator
 from atorch.auto.config_types import MethodConfig
 from atorch.auto.context import ModelContext
 from atorch.auto.method_spec import MethodSpec, Stage, register_method
-from atorch.errors import MethodConfigError
+from atorch.errors import MethodConfigError, NotSupportedError
 
 
 class NativeDynamoConfig(MethodConfig):
@@ -77,7 +77,18 @@ def _unsupported(device_ctx, config: NativeDynamoConfig) -> str | None:
     return None
 
 
+# A pipeline split by tracing builds its stages at its first call: compiled, that call runs inside
+# dynamo, whose trace of the pipeline's own torch.export trace fails (seen on BERT: "'Tensor'
+# object has no attribute 'output'", under a message that blamed the model).
+TRACED_PIPELINE = ("native_dynamo cannot compile a pipeline split by tracing: its stages are built from a trace at "
+                   "the first call, which would then run inside torch.compile. Register a layout for the model "
+                   "(atorch.pipeline.register_layout: its stages are built at once, and compile), or leave "
+                   "native_dynamo out")
+
+
 def compile_model(ctx: ModelContext, config: NativeDynamoConfig) -> None:
+    if getattr(ctx.model, "traced", False):
+        raise NotSupportedError(TRACED_PIPELINE)
     ctx.model.compile(backend=config.backend, mode=config.mode, fullgraph=config.fullgraph, dynamic=config.dynamic)
 
 

@@ -106,6 +106,13 @@ def _two_rank_traced_runs():
     # through auto_accelerate: pipeline_parallel splits the ModuleList model too
     out["auto"] = train_loop_model([("parallel_mode", ([("pipeline", 2)], None)),
                                     ("pipeline_parallel", {"num_microbatches": 4})])
+    # compiled: refused with the fix, not left to fail inside dynamo at the first step
+    try:
+        train_loop_model([("parallel_mode", ([("pipeline", 2)], None)), ("pipeline_parallel", {"num_microbatches": 4}),
+                          ("native_dynamo", {"backend": "eager"})], steps=1)
+        out["compiled"] = "trained"
+    except NotSupportedError as error:
+        out["compiled"] = str(error)
     # a forward that branches on data: refused on every rank, none left waiting
     model = PipelineModel(loop_model(stop_on_data=True), num_microbatches=2, auto_partition=True, loss_fn=chain_loss)
     x, y = batches()[0]
@@ -176,6 +183,12 @@ def test_gpt2_and_bert_with_tied_heads_match_serial(traced_two_ranks):
         tied = serial.get_output_embeddings().weight
         assert torch.allclose(head, tied, rtol=1e-4, atol=1e-6)
         assert not torch.allclose(head, build().get_output_embeddings().weight, rtol=1e-4, atol=1e-6)
+
+
+def test_a_traced_pipeline_is_not_compiled_and_the_refusal_names_the_fix(traced_two_ranks):
+    for rank in traced_two_ranks:
+        assert rank["compiled"].startswith("native_dynamo cannot compile a pipeline split by tracing")
+        assert "register_layout" in rank["compiled"]
 
 
 def test_data_dependent_forward_is_refused_on_every_rank(traced_two_ranks):
