@@ -11,8 +11,9 @@ this job can run and the scenario does not exclude), each variant and the search
 in the same interleaved blocks, and the best is the fastest of the variants. A variant's warm-up
 beyond the quickest one's (a compile) is spread over the search's ``planned_steps`` and added to
 each of its steps, as the search charges it; the pick is charged the same way. A compile's
-warm-up is what it takes here: where inductor's on-disk cache already holds the graph (the
-search compiled it, or an earlier run did), a cache hit's, not a new machine's cold compile.
+warm-up is what it takes here: with ``--fresh`` inductor's cache starts empty, but a search that
+compiled the same graph in this process leaves its kernels loaded, and the variant then compiles
+faster than a new machine would.
 """
 
 import itertools

@@ -451,8 +451,8 @@ def main(argv=None) -> str:
     parser.add_argument("--exhaustive-from", default=None, metavar="PATTERN",
                         help="reuse an earlier run's exhaustive part (its JSON; {scenario} is replaced by the "
                              "scenario's name) and rerun only the searches and the side-by-side timing")
-    parser.add_argument("--fresh", action="store_true", help="as a new user: no calibration and an empty cache "
-                        "(the search measures bf16's speedup itself)")
+    parser.add_argument("--fresh", action="store_true", help="as a new user: no calibration, an empty search cache "
+                        "and an empty inductor cache (the search measures bf16's speedup itself)")
     args = parser.parse_args(argv)
     names = harness.choices(parser, args.scenarios, SCENARIOS, "scenarios")
     from atorch.distributed.local import run_local
@@ -460,6 +460,7 @@ def main(argv=None) -> str:
     with tempfile.TemporaryDirectory() as report_dir:
         if args.fresh:
             os.environ["ATORCH_CACHE_DIR"] = str(Path(report_dir) / "cache")
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(report_dir) / "inductor")  # compiles cold, as a new user's
         results = run_local(functools.partial(run, names, args.tiny, args.repeats, args.steps, report_dir,
                                               args.searches, args.exhaustive_from, not args.fresh),
                                   args.nproc, timeout_s=3600)[0]

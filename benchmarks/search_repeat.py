@@ -167,6 +167,7 @@ def main(argv=None) -> str:
     with tempfile.TemporaryDirectory() as report_dir, _busy_core(args.busy):
         if args.fresh:
             os.environ["ATORCH_CACHE_DIR"] = str(Path(report_dir) / "cache")
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(report_dir) / "inductor")  # compiles cold, as a new user's
         found = run_local(functools.partial(calibrated_searches, args.scenario, args.searches, report_dir,
                                             args.side_by_side, not args.fresh), args.nproc, timeout_s=3600)[0]
     found["conditions"] = {"fresh": args.fresh, "busy": args.busy}
