@@ -233,3 +233,15 @@ def test_the_exhaustive_best_gets_every_combination_of_the_methods_tried_on_the_
     assert found["best + fused_optimizer"] == best.with_method("fused_optimizer")
     assert list(refined_best.variants(best, ["fused_optimizer", "native_dynamo"])) == ["best"]
     assert "best + fused_optimizer" not in refined_best.variants(best.with_method("fused_optimizer"), None)
+
+
+def test_every_compiled_variant_is_charged_a_cold_compile():
+    # the second compiled variant reuses the first's kernels in the process: charged the first's warm-up
+    from benchmarks.refined_best import _compile_charges
+
+    charges = _compile_charges({"best": 0.05, "+compile": 19.5, "+fused+compile": 0.06}, frozenset({"+compile", "+fused+compile"}))
+    assert charges == {"+compile": 19.5, "+fused+compile": 19.5}
+    # every compile a cache hit (a search compiled the graph first): at least a cold compile's least
+    charges = _compile_charges({"best": 0.05, "+compile": 0.07}, frozenset({"+compile"}))
+    assert charges["+compile"] >= 8.0
+    assert _compile_charges({"best": 0.05}, frozenset()) == {}
