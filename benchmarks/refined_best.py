@@ -66,14 +66,10 @@ def charged_samples(steps: dict, repeats: int, steps_per_block: int,
     MIN_COMPILE_SECONDS), as a job compiling on a new machine pays."""
     warmups, failed = {}, {}
     for label, step in list(steps.items()):
-        start, error = time.perf_counter(), None
-        try:
-            for _ in range(WARMUP):
-                step()
-        except Exception as exc:  # noqa: BLE001 - a variant this job cannot run (compile on a traced pipeline)
-            error = f"{type(exc).__name__}: {str(exc)[:300]}"
-        if harness._slowest(0.0 if error is None else 1.0) > 0:
-            failed[label] = error or "failed on another rank"
+        start = time.perf_counter()
+        _, error = agreed(lambda: [step() for _ in range(WARMUP)])
+        if error is not None:
+            failed[label] = error
             del steps[label]
             continue
         warmups[label] = harness._slowest(time.perf_counter() - start)
@@ -82,6 +78,18 @@ def charged_samples(steps: dict, repeats: int, steps_per_block: int,
     warmups = {**warmups, **_compile_charges(warmups, compiled)}
     return {label: [s + (warmups[label] - quickest) / PLANNED_STEPS for s in values]
             for label, values in samples.items()}, {"failed": failed, "warmup_seconds": warmups}
+
+
+def agreed(call):
+    """``(call(), None)``, or ``(None, why)`` where it raised on any rank (every rank agrees)."""
+    value, error = None, None
+    try:
+        value = call()
+    except Exception as exc:  # noqa: BLE001 - a variant this job cannot run (compile on a traced pipeline)
+        error = f"{type(exc).__name__}: {str(exc)[:300]}"
+    if harness._slowest(0.0 if error is None else 1.0) > 0:
+        return None, error or "failed on another rank"
+    return value, None
 
 
 def _compile_charges(warmups: dict[str, float], compiled: frozenset) -> dict[str, float]:
@@ -103,12 +111,17 @@ def picked_against_best(build_step, picked, best, excluded, repeats: int, steps_
     function that runs one optimizer step of it."""
     candidates = variants(best, excluded)
     same = next((label for label, strategy in candidates.items() if strategy == picked), None)
-    steps = {label: build_step(strategy) for label, strategy in candidates.items()}
-    if same is None:
-        steps["picked"] = build_step(picked)
-    strategies = {**candidates, "picked": picked}
+    strategies = {**candidates, **({"picked": picked} if same is None else {})}
+    steps, refused = {}, {}
+    for label, strategy in strategies.items():  # a variant refused as it is built is left out with why
+        step, why = agreed(lambda: build_step(strategy))  # noqa: B023 - called at once
+        if why is None:
+            steps[label] = step
+        else:
+            refused[label] = why
     compiled = frozenset(label for label in steps if "native_dynamo" in strategies[label])
     samples, notes = charged_samples(steps, repeats, steps_per_block, compiled)
+    notes["failed"].update(refused)
     medians = {label: statistics.median(values) for label, values in samples.items() if label != "picked"}
     fastest = min(medians, key=medians.get)
     picked_median = medians[same] if same is not None else statistics.median(samples["picked"])
