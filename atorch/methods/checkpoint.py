@@ -12,6 +12,7 @@ Each matching module's forward is replaced on the instance, so parameter names a
 inputs; keyword arguments are passed through but receive no gradient.
 """
 
+import contextlib
 import functools
 import inspect
 from typing import Any, Literal
@@ -136,12 +137,11 @@ class _SelectiveCount:
     """Where the planner's probe is told about the outputs selective checkpointing keeps: torch
     keeps them in a cache of its own, out of sight of the saved-tensor hooks the probe counts with
     (``active``), and about the FLOPs a checkpoint's backward runs again (``recomputed(flops,
-    attention_flops)``: the matmuls selective recomputes; on meta tensors, what full checkpointing
-    recomputes, :func:`full_recompute_flops`)."""
+    attention_flops)``: the matmuls selective recomputes; what full checkpointing recomputes,
+    :func:`full_recompute_flops`)."""
 
     active = None
     recomputed = None
-    on_meta = False
 
 
 def full_recompute_flops(forward, args: tuple, kwargs: dict, stops_early: bool) -> tuple[int, int]:
@@ -149,8 +149,9 @@ def full_recompute_flops(forward, args: tuple, kwargs: dict, stops_early: bool) 
     ``forward``: with torch's non-reentrant checkpoint (``stops_early``), the forward's operators
     up to the last one that saves a tensor, where its recompute stops (a Llama block's last
     projection, whose output nothing saves, is not run again); with the reentrant one, all of
-    them. Counted by running ``forward`` once more (on meta tensors: the planner's probe), its
-    saves marked and dropped, a cache in its arguments left out."""
+    them. Counted by running ``forward`` once more (on meta tensors as they are, the planner's
+    probe; real ones as fake tensors, see :func:`_no_memory`), its saves marked and dropped, a
+    cache in its arguments left out."""
     from atorch.auto.search.ops import OpCounter
 
     counter, at_last_save = OpCounter(count_traffic=False), [0, 0]
@@ -162,9 +163,31 @@ def full_recompute_flops(forward, args: tuple, kwargs: dict, stops_early: bool) 
     kwargs = {k: None if type(v).__name__.endswith("Cache") else v for k, v in kwargs.items()}
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
-    with torch.autograd.graph.saved_tensors_hooks(mark, lambda _: None), counter:
+    with _no_memory((args, kwargs)), torch.autograd.graph.saved_tensors_hooks(mark, lambda _: None), counter:
         forward(*args, **kwargs)
     return tuple(at_last_save) if stops_early else (counter.flops, counter.attention_flops)
+
+
+@contextlib.contextmanager
+def _no_memory(inputs):
+    """Where the block runs once more to be counted: as it is on meta tensors; on real ones (the
+    search's probe on a CPU, whose memory timeline an extra forward would show) on fake tensors
+    made from them, shapes without storage, out of sight of the probe's own dispatch modes (its
+    weight-cast count) and with autocast's cache of casts off (it would keep a fake cast of a real
+    weight for the real forward that follows)."""
+    if _on_meta(inputs):
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_disable_current_modes())
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, dtype=torch.get_autocast_dtype(device), cache_enabled=False))
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        yield
 
 
 def _selective_context():
@@ -183,7 +206,7 @@ class CheckpointedForward:
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)  # nothing to save memory on in eval
-        if not self.selective and _SelectiveCount.recomputed is not None and _SelectiveCount.on_meta:
+        if not self.selective and _SelectiveCount.recomputed is not None:
             _SelectiveCount.recomputed(*full_recompute_flops(self.forward, args, kwargs, not self.use_reentrant))
         if self.use_reentrant:
             fn = functools.partial(self.forward, **kwargs) if kwargs else self.forward
@@ -256,9 +279,9 @@ SELECTIVE_RECOMPUTED_OPS = 0.9
 def cost_term(config: CheckpointConfig, cost) -> None:
     if config.selective:  # the element-wise operators run again, the matmuls do not
         cost.recomputed_op_share += SELECTIVE_RECOMPUTED_OPS
-    elif cost.recomputed_flops:  # the plan's probe counted what the recompute runs (full_recompute_flops)
+    elif cost.recomputed_flops:  # the probe counted what the recompute runs (full_recompute_flops)
         cost.recomputed_op_share += 1.0  # its operators' launches and bytes, all but a few at the end
-    else:  # a probe on real tensors: the checkpointed blocks' forward runs again in backward, counted whole
+    else:  # not counted (a cost built without the probe's counts): the blocks' whole forward again
         cost.passes += 1
     # (their saved tensors' trips through the checkpoint's hooks: StepCost.checkpointed_saves, probed)
     # Where the probe does not measure the backward (StepCost.activation_profile): the activation

@@ -226,17 +226,17 @@ class _WeightCasts(TorchDispatchMode):
 @contextlib.contextmanager
 def _counting_selective(counter: "_SavedBytes", on_meta: bool):
     """On meta tensors, what selective checkpointing keeps is counted as saved (see ``kept``);
-    on real tensors the probe's timeline sees those allocations itself. On both, the FLOPs of the
-    matmuls it will recompute are counted (see ``recomputed``)."""
+    on real tensors the probe's timeline sees those allocations itself. On both, the FLOPs a
+    checkpoint's backward will run again are counted (see ``recomputed``)."""
     from atorch.methods.checkpoint import _SelectiveCount
 
-    before = _SelectiveCount.active, _SelectiveCount.recomputed, _SelectiveCount.on_meta
+    before = _SelectiveCount.active, _SelectiveCount.recomputed
     _SelectiveCount.active = counter.kept if on_meta else None
-    _SelectiveCount.recomputed, _SelectiveCount.on_meta = counter.recomputed, on_meta
+    _SelectiveCount.recomputed = counter.recomputed
     try:
         yield
     finally:
-        _SelectiveCount.active, _SelectiveCount.recomputed, _SelectiveCount.on_meta = before
+        _SelectiveCount.active, _SelectiveCount.recomputed = before
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
