@@ -15,6 +15,7 @@ inputs; keyword arguments are passed through but receive no gradient.
 import contextlib
 import functools
 import inspect
+import logging
 from typing import Any, Literal
 
 import torch
@@ -181,7 +182,10 @@ def _no_memory(inputs):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes
 
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")  # logs an operator it cannot run, then raises
     with contextlib.ExitStack() as stack:
+        stack.callback(fake_log.setLevel, fake_log.level)
+        fake_log.setLevel(logging.CRITICAL)
         stack.enter_context(_disable_current_modes())
         for device in ("cpu", "cuda"):
             if torch.is_autocast_enabled(device):
@@ -207,7 +211,11 @@ class CheckpointedForward:
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)  # nothing to save memory on in eval
         if not self.selective and _SelectiveCount.recomputed is not None:
-            _SelectiveCount.recomputed(*full_recompute_flops(self.forward, args, kwargs, not self.use_reentrant))
+            try:
+                counted = full_recompute_flops(self.forward, args, kwargs, not self.use_reentrant)
+            except Exception:  # noqa: BLE001 - a block fake tensors cannot run (Mixtral's grouped matmuls on a CPU)
+                counted = (None, None)
+            _SelectiveCount.recomputed(*counted)
         if self.use_reentrant:
             fn = functools.partial(self.forward, **kwargs) if kwargs else self.forward
             return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True)

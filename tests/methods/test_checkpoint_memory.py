@@ -168,3 +168,20 @@ def test_counting_a_recompute_on_real_tensors_leaves_the_real_forward_as_it_was(
         out = block(x)
     assert flops == 2 * 4 * 16 * 32 * 2
     assert type(out) is torch.Tensor and torch.equal(out, expected)
+
+
+def test_a_block_fake_tensors_cannot_run_is_charged_a_whole_forward_not_refused():
+    """Mixtral's grouped expert matmuls have no fake-tensor rule for fp32 on a CPU: the recompute
+    of its checkpointed blocks cannot be counted, so none is reported (the cost charges a whole
+    forward again, as before the count), and the probe goes on."""
+    pytest.importorskip("transformers")
+    from tests.helpers.hf import CountingTokens
+    from tests.methods.test_tensor_parallel_moe import tiny_moe
+
+    data = CountingTokens()
+    batch = {k: torch.stack([data[i][k] for i in range(4)]) for k in ("input_ids", "labels")}
+    model = tiny_moe("mixtral")
+    counts: list = []
+    cost.activation_bytes(model, resolve_strategy(model, Strategy([("checkpoint", {})])), batch, "unpack_dict",
+                          lambda b, out: out.loss, DeviceContext(1, 1, torch.device("cpu"), None, 2**40), counts)
+    assert counts[8:10] == [0, 0] and counts[0] > 0

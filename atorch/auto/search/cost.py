@@ -157,6 +157,7 @@ class _SavedBytes:
         self._kept: list[torch.Tensor] = []  # what selective checkpointing keeps (see kept)
         self._casts: list[torch.Tensor] = []  # weight casts reported by meta_autocast (see weight_cast)
         self.recomputed_flops = 0  # what a checkpoint's backward runs again (see recomputed)
+        self.recompute_uncounted = False
         self.recomputed_attention = 0  # of them, attention's
 
     def pack(self, tensor: torch.Tensor):
@@ -182,10 +183,14 @@ class _SavedBytes:
                 self._kept.append(self.pack(tensor))
                 self.packed = packed  # not a tensor through the hooks
 
-    def recomputed(self, flops: int, attention: int) -> None:
+    def recomputed(self, flops: int | None, attention: int | None) -> None:
         """Count FLOPs a checkpoint will run again in backward, and of them attention's (the
-        matmuls ``atorch.methods.checkpoint.every_other_matmul_policy`` recomputes; on meta
-        tensors, full checkpointing's, ``checkpoint.full_recompute_flops``)."""
+        matmuls ``atorch.methods.checkpoint.every_other_matmul_policy`` recomputes; full
+        checkpointing's, ``checkpoint.full_recompute_flops``). None: a block's could not be
+        counted, and none are reported (the cost then charges the whole forward again)."""
+        if flops is None:
+            self.recompute_uncounted = True
+            return
         self.recomputed_flops += flops
         self.recomputed_attention += attention
 
@@ -335,7 +340,8 @@ def _saved_bytes(model, strategy, batch, model_input_format, loss_func, device_c
     if counts is not None:
         counts.extend([op_counter.flops, op_counter.count, profile, counter.packed, spans,
                        op_counter.attention_flops, op_counter.traffic, op_counter.whole_traffic,
-                       counter.recomputed_flops, counter.recomputed_attention])
+                       *((0, 0) if counter.recompute_uncounted else (counter.recomputed_flops,
+                                                                      counter.recomputed_attention))])
     saved = _with_activation_terms(strategy, stages, counter.by_dtype) if on_meta else counter.by_dtype
     return sum(saved.values()), checkpointed
 
