@@ -138,7 +138,7 @@ def test_compatibility_doc_is_generated_from_the_registry():
 # The default run's share of the 2-rank matrix (the whole of it, 65 pairs and 5 minutes, runs with
 # -m slow): every variant at least once; amp with every method that shards, splits or rewrites the
 # model (where a dtype went missing before); half and checkpoint with a sharded and a split model,
-# dynamo with a split one (a compile costs 9-30 s); two pairs in reversed list order.
+# dynamo with a split one (its aot_eager trace takes 9-30 s); two pairs in reversed list order.
 DEFAULT_PAIRS = [
     ("amp_native", "zero2"), ("amp_native", "zero2_fairscale"), ("amp_native", "zero2_ds"),
     ("amp_native", "zero1_ds"), ("amp_native", "fsdp"), ("amp_native", "tensor_parallel"),
