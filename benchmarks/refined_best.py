@@ -67,7 +67,7 @@ def charged_samples(steps: dict, repeats: int, steps_per_block: int,
     warmups, failed = {}, {}
     for label, step in list(steps.items()):
         start = time.perf_counter()
-        _, error = agreed(lambda: [step() for _ in range(WARMUP)])
+        _, error = attempted(lambda: [step() for _ in range(WARMUP)])
         if error is not None:
             failed[label] = error
             del steps[label]
@@ -80,16 +80,19 @@ def charged_samples(steps: dict, repeats: int, steps_per_block: int,
             for label, values in samples.items()}, {"failed": failed, "warmup_seconds": warmups}
 
 
-def agreed(call):
-    """``(call(), None)``, or ``(None, why)`` where it raised on any rank (every rank agrees)."""
+def attempted(call):
+    """``(call(), None)``, or ``(None, why)`` where it raised on any rank: every rank agrees, and
+    each gets the message of the rank that failed (the search's agreements, agree.py)."""
+    from atorch.auto.search.agree import all_ok, first_error
+
     value, error = None, None
     try:
         value = call()
     except Exception as exc:  # noqa: BLE001 - a variant this job cannot run (compile on a traced pipeline)
         error = f"{type(exc).__name__}: {str(exc)[:300]}"
-    if harness._slowest(0.0 if error is None else 1.0) > 0:
-        return None, error or "failed on another rank"
-    return value, None
+    if all_ok(error is None):
+        return value, None
+    return None, first_error(error)
 
 
 def _compile_charges(warmups: dict[str, float], compiled: frozenset) -> dict[str, float]:
@@ -114,7 +117,7 @@ def picked_against_best(build_step, picked, best, excluded, repeats: int, steps_
     strategies = {**candidates, **({"picked": picked} if same is None else {})}
     steps, refused = {}, {}
     for label, strategy in strategies.items():  # a variant refused as it is built is left out with why
-        step, why = agreed(lambda: build_step(strategy))  # noqa: B023 - called at once
+        step, why = attempted(lambda: build_step(strategy))  # noqa: B023 - called at once
         if why is None:
             steps[label] = step
         else:

@@ -245,3 +245,23 @@ def test_every_compiled_variant_is_charged_a_cold_compile():
     charges = _compile_charges({"best": 0.05, "+compile": 0.07}, frozenset({"+compile"}))
     assert charges["+compile"] >= 8.0
     assert _compile_charges({"best": 0.05}, frozenset()) == {}
+
+
+def _one_rank_fails():
+    import torch.distributed as dist
+
+    from benchmarks.refined_best import attempted
+
+    def call():
+        if dist.get_rank() == 1:
+            raise ValueError("only on rank 1")
+        return "built"
+
+    return attempted(call), attempted(lambda: "built")
+
+
+def test_a_variant_that_fails_on_one_rank_is_left_out_on_every_rank_with_its_reason():
+    from tests.helpers.dist import run_distributed
+
+    for failed, fine in run_distributed(_one_rank_fails, 2):
+        assert failed == (None, "rank 1: ValueError: only on rank 1") and fine == ("built", None)
