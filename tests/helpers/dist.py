@@ -13,7 +13,7 @@ def run_distributed(fn, world_size: int = 2, *args, timeout_s: float = DEFAULT_T
 
     ``fn`` must be a module-level function (the processes are spawned). A failure on any rank
     fails the test with that rank's traceback; a hang past ``timeout_s`` kills every rank and
-    fails it too. The ranks of a world of 2-4 are kept between runs (tests/helpers/pool.py);
+    fails it too. The ranks of a world of 1-4 are kept between runs (tests/helpers/pool.py);
     ``fresh=True`` spawns new ones for a test that needs a process nothing ran in before.
     """
     try:
