@@ -48,3 +48,15 @@ def test_a_kept_rank_starts_each_run_as_a_fresh_one(monkeypatch):
         run_distributed(_fail_on_rank_1, 2)
     third = run_distributed(_leave_state_behind, 2)
     assert not {r["pid"] for r in third} & {r["pid"] for r in first}  # a failure retires the ranks
+
+
+def test_a_single_process_reference_is_kept_and_starts_fresh_too(monkeypatch):
+    # A world of one (the serial reference a distributed test compares with) is pooled as well.
+    if not pool.pooled(1):
+        pytest.skip("ATORCH_TEST_FRESH_RANKS=1: every run has new ranks")
+    first = run_distributed(_leave_state_behind, 1)[0]
+    monkeypatch.setenv("ATORCH_POOL_PROBE", "seen")
+    second = run_distributed(_leave_state_behind, 1)[0]
+    assert second["pid"] == first["pid"] and second["pid"] != os.getpid()
+    assert second["env"] == "seen" and second["rank"] == 0
+    assert second["timeout"] is None and second["topology"] is None and not second["registered"], second
