@@ -54,7 +54,7 @@ def refine_pick(run: SearchRun, excluded=None, estimate=None) -> None:
                 kept = trial
                 break
     if kept is not winner:
-        run.refined = kept
+        run.refined, run.refined_from = kept, winner
 
 
 def _trial_configs(run: SearchRun, spec, pick: Strategy, excluded: set) -> list[dict]:

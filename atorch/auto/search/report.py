@@ -37,6 +37,9 @@ class SearchReport:
     # told apart from the best's (fewer methods among those estimated near the fastest, then the
     # estimate).
     tied: list[int] | None = None
+    # The close call's pick (index) where the winner is that pick with methods tried on it and kept
+    # (refine.py: a fused step, a compile); ``tied`` is then with that pick. None: not refined.
+    refined_from: int | None = None
     # The global batch (samples per step): estimated step times are shown as samples/s with it.
     global_batch: int | None = None
     # When the search finished (seconds since the epoch): a cached report says how old it is.
@@ -152,14 +155,27 @@ class SearchReport:
         if self.winner is not None and len(together) > 1:
             return self._side_by_side_lines(together)
         if self.winner is None or not self.tied:
-            return []
+            return self._refined_line()
         others = ", ".join(self._name(i) for i in self.tied)
-        winner = self._name(self.winner)
         from atorch.auto.search.pick import TIE_CAP, TIE_ESTIMATE
 
-        return [f"winner {winner}: tied with {others} (their step ranges overlap the best's, medians within "
+        return [f"{self._decided()}: tied with {others} (their step ranges overlap the best's, medians within "
                 f"{TIE_CAP:.0%}); the tie goes to fewer methods among those estimated within {TIE_ESTIMATE:.0%} of "
-                "the fastest, then the faster estimate"]
+                "the fastest, then the faster estimate", *self._refined_line()]
+
+    def _decided(self) -> str:
+        """Who the close call (or the tie rule) picked: the winner, or the pick it refines."""
+        if self.refined_from is None:
+            return f"winner {self._name(self.winner)}"
+        return f"pick {self._name(self.refined_from)}"
+
+    def _refined_line(self) -> list[str]:
+        """Where the winner is the pick with methods tried on it and kept: which ones."""
+        if self.winner is None or self.refined_from is None:
+            return []
+        added = [n for n in self.candidates[self.winner].names if n not in self.candidates[self.refined_from].names]
+        return [f"winner {self._name(self.winner)}: the pick with {' + '.join(added) or 'a config'} tried on it "
+                "and kept (its row says why)"]
 
     def _side_by_side_lines(self, together: list[int]) -> list[str]:
         from atorch.auto.search.sidebyside import CONFIDENCE, TIE, TURN_STEPS
@@ -170,12 +186,12 @@ class SearchReport:
                  f"{figures}"]
         if self.tied:
             others = ", ".join(self._name(i) for i in self.tied)
-            lines.append(f"winner {self._name(self.winner)}: tied with {others} (a band reaching within {TIE:.1%} "
+            lines.append(f"{self._decided()}: tied with {others} (a band reaching within {TIE:.1%} "
                          "of the fastest: the turns cannot tell them apart); the tie goes to the lower measured "
                          "peak, then fewer methods, then the faster")
         elif self.winner is not None:
-            lines.append(f"winner {self._name(self.winner)}: no tie (every other band lies beyond {TIE:.1%} behind)")
-        return lines
+            lines.append(f"{self._decided()}: no tie (every other band lies beyond {TIE:.1%} behind)")
+        return lines + self._refined_line()
 
     def _side_by_side_figure(self, index: int) -> str:
         c = self.candidates[index]

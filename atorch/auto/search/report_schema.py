@@ -49,6 +49,9 @@ def _check_indexes(data: dict, count: int) -> None:
     winner = data.get("winner")
     if winner is not None and not 0 <= winner < count:
         raise ValueError(f"report.winner is {winner}, but the report has {count} candidates")
+    refined_from = data.get("refined_from")
+    if refined_from is not None and not 0 <= refined_from < count:
+        raise ValueError(f"report.refined_from is {refined_from}, but the report has {count} candidates")
     for index in data.get("tied") or ():
         if not 0 <= index < count:
             raise ValueError(f"report.tied lists {index}, but the report has {count} candidates")

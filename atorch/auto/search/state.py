@@ -70,6 +70,7 @@ class SearchRun:
     measured_rates: frozenset | None = None
     # the pick with the methods tried on it kept (refine.py), when one was: it replaces pick_winner's
     refined: tuple | None = None
+    refined_from: tuple | None = None  # the pick it refines (pick_winner's, before the trials)
     trials: int = 0  # rows refine.py added (counted as generated)
 
     def past_limit(self) -> bool:

@@ -43,6 +43,12 @@ def test_a_method_that_makes_the_pick_faster_is_kept_and_one_that_slows_it_is_no
     assert row.status == "measured" and report.candidates[report.winner] is not None
     assert report.candidates[report.winner].names == names
     assert "kept on the pick" in row.reason and "band" in row.reason
+    # the report says which pick the trial refined, and its tie (or none) is that pick's
+    base = report.candidates[report.refined_from]
+    assert base.names == [n for n in names if n != "_wakes"] and base.status == "measured"
+    assert not report.tied or report.refined_from not in report.tied
+    flat = " ".join(report.table(width=120).split())
+    assert f"pick {base.name}:" in flat and "the pick with _wakes tried on it and kept" in flat
     # the negative control: the same stage, a method that slows the step, is left out with its figures
     status, names, nap = run_distributed(search_with, 2, path, "_naps", ONLY_DDP)[0]
     assert "_naps" not in names and nap > 0

@@ -315,3 +315,17 @@ def test_the_report_prints_the_figures_that_decided_and_tie_only_where_they_show
     runner.side_by_side_behind, report.tied = [1.07, 1.01, 1.12], [1]
     flat = " ".join(report.table(width=120).split())
     assert "band 1.010-1.120" in flat and "tied with" in flat and "no tie" not in flat
+    # A winner refined on the pick (a fused step kept on it): the tie is the pick's, said as such.
+    # The README's main job printed "no tie" under bands that showed one, the tie being the pick's.
+    refined = CandidateResult(Strategy(["fused_optimizer"]).to_dict(), status=MEASURED, throughput=81.0)
+    report.candidates.append(refined)
+    report.winner, report.refined_from = 2, 0
+    flat = " ".join(report.table(width=120).split())
+    assert f"pick {fastest.name}: tied with {runner.name}" in flat and "no tie" not in flat
+    assert f"winner {refined.name}: the pick with fused_optimizer tried on it and kept" in flat
+    report.tied = None
+    flat = " ".join(report.table(width=120).split())
+    assert f"pick {fastest.name}: no tie" in flat and "the pick with fused_optimizer" in flat
+    assert SearchReport.from_dict(report.to_dict()).refined_from == 0
+    with pytest.raises(ValueError, match="refined_from is 3, but the report has 3 candidates"):
+        SearchReport.from_dict({**report.to_dict(), "refined_from": 3})
