@@ -84,8 +84,10 @@ def main() -> None:
         model_input_format="unpack_dict",
         load_strategy=None if args.strategy == "auto" else args.strategy,
         save_strategy_to_file=args.save_strategy,
+        # planned_steps: the job's length, over which the search charges a compile it tries on its
+        # pick (a compile cannot pay for itself in a job of tens of steps, so it is not tried)
         **({"verbose": True, "memory_budget": args.memory_budget, "report_file": args.report,
-            "dryrun_steps": 2} if args.strategy == "auto" else {}),
+            "dryrun_steps": 2, "planned_steps": args.steps} if args.strategy == "auto" else {}),
     )
     if not status:
         raise SystemExit("no strategy could be applied; see the report above")
