@@ -67,7 +67,8 @@ def main() -> None:
         model_input_format="unpack_dict",
         load_strategy=None if args.strategy == "auto" else args.strategy,
         gradient_accumulation_steps=args.accumulation, save_strategy_to_file=args.save_strategy,
-        **({"verbose": True, "dryrun_steps": 2} if args.strategy == "auto" else {}),
+        # planned_steps: the job's length, over which the search charges a compile tried on its pick
+        **({"verbose": True, "dryrun_steps": 2, "planned_steps": args.steps} if args.strategy == "auto" else {}),
     )
     if not status:
         raise SystemExit("no strategy could be applied; see the report above")
