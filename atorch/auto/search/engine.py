@@ -179,10 +179,11 @@ def _answer(run: SearchRun, counts: Counter, stopped: int) -> tuple[Strategy | N
                            f"simplest strategy estimated to fit is returned unmeasured")
     if winner is not None:
         report.winner = report.candidates.index(winner[1])
-        decided = run.refined_from or winner  # the close call decided the pick the trials refined
-        if run.refined_from is not None:
-            report.refined_from = report.candidates.index(run.refined_from[1])
-        tied = tied_with(results[:len(results) - run.trials], decided)  # the candidates, not the trials
+        decided = winner
+        if run.refined_from is not None:  # the close call decided the pick the trials refined: its tie
+            decided = run.refined_from
+            report.refined_from = report.candidates.index(decided[1])
+        tied = tied_with(results[:len(results) - run.trials], decided)  # among the candidates, not the trials
         report.tied = [report.candidates.index(r) for r in tied] or None
     else:
         report.note = no_winner_note(results, options, run.timed_out)

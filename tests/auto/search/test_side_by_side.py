@@ -329,3 +329,26 @@ def test_the_report_prints_the_figures_that_decided_and_tie_only_where_they_show
     assert SearchReport.from_dict(report.to_dict()).refined_from == 0
     with pytest.raises(ValueError, match="refined_from is 3, but the report has 3 candidates"):
         SearchReport.from_dict({**report.to_dict(), "refined_from": 3})
+
+
+def test_a_refined_winner_keeps_the_tie_of_the_pick_it_refines():
+    # The engine set no tie once a method tried on the pick was kept: the report then said "no
+    # tie" under bands that showed one. The tie is the close call's pick's, and stays.
+    from collections import Counter
+
+    from atorch.auto.environment import DeviceContext
+    from atorch.auto.search.engine import _answer
+    from atorch.auto.search.state import SearchOptions, SearchRun
+
+    results = _timed(([], 140.0, 130.0, 30 << 20), (["zero1"], 120.0, 130.0 * (1 - TIE / 2), 20 << 20))
+    pick = _pick_winner(results)
+    trial = (Strategy(["zero1", "fused_optimizer"]),
+             CandidateResult(Strategy(["zero1", "fused_optimizer"]).to_dict(), status=MEASURED, throughput=131.0))
+    run = SearchRun(None, DeviceContext(2, 2, torch.device("cpu"), None, 1 << 30), None, None,
+                    SearchOptions(memory_budget=1 << 30), 1, results=[*results, trial], refined=trial,
+                    refined_from=pick, trials=1)
+    strategy, report = _answer(run, Counter(), 0)
+    assert strategy is trial[0] and report.winner == 2 and report.refined_from == 1
+    assert report.tied == [0]  # the pick's tie with the plain candidate
+    flat = " ".join(report.table(width=120).split())
+    assert f"pick {results[1][1].name}: tied with {results[0][1].name}" in flat and "no tie" not in flat
