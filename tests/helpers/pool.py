@@ -5,8 +5,7 @@ than most distributed tests take to run, and the suite starts a few hundred. A p
 ranks of one world size alive: each run sends the function to every rank, which builds a new
 gloo group on a new port, calls it and leaves it as :func:`atorch.distributed.local.run_rank` does
 for a spawned rank. A world of one is kept too: the single-process reference a distributed test
-compares with was a spawned process each time until 2026-11-28; kept, the three expert and
-accumulation test files took 99 s where they took 151.
+compares with starts no process of its own either.
 
 What a fresh process would give, a kept one is made to give before each run: the caller's
 environment and working folder, torch's default seed, dtype, grad and deterministic modes, the
