@@ -346,6 +346,7 @@ def scenario(name: str, size: Size, spec: Scenario, repeats: int, steps: int, re
     side_by_side = [{_label(c.strategy, world): {"samples_per_s": c.side_by_side, "turn_seconds": c.side_by_side_seconds}
                      for c in each.candidates if c.side_by_side} for each in reports]
     search = {"search_seconds": search_s, "search_times": times, "picks": picks, "search_generated": report.generated,
+              "search_stage_seconds": [each.stage_seconds for each in reports],  # where each search's time went
               "search_side_by_side": side_by_side,
               "search_dry_run": report.dry_run, "search_stopped": report.stopped,
               "search_pruned": report.pruned, "search_note": report.note, "search_ran": ran}

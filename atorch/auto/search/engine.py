@@ -91,16 +91,22 @@ def _search(model, device_ctx, make_context, apply, options, excluded, included,
     counts: Counter = Counter()
     candidates, ineligible = _space(run, probe_ctx, excluded, included, base, only, counts)  # 1
     run.results.extend(ineligible_rows(ineligible))
+    run.lap("space")
     prober, rates = Prober(run, probe_ctx, candidates), _rates(run, probe_ctx)
     # As planned for this model, so the report names what would run, and the same run once.
     estimate_all(run, [resolved(model, strategy) for strategy in candidates], prober, rates, candidates)  # 2
     run.fits.update(id(s) for s, r in run.results if r.reason is None and run.surely_fits(r))
     if not run.given:
         prune_on_estimates(run.results, run.fits, run.measured_rates)  # 3
+    run.lap("estimates")
     stopped = run_dry_runs(run, *dry_run_order(run))  # 4
-    settle_close_call(run)  # 5
-    if base is None:  # finetune_strategy: only the loaded strategy's methods
+    run.lap("dry runs")
+    if not run.given:  # measure() and a loaded strategy's check time nothing again
+        settle_close_call(run)  # 5
+        run.lap("close call")
+    if not run.given and base is None:  # finetune_strategy: only the loaded strategy's methods
         refine_pick(run, excluded, functools.partial(estimate_one, run, prober=prober, rates=rates))  # 5b
+        run.lap("trials on the pick")
     return _answer(run, counts, stopped)  # 6
 
 
@@ -188,5 +194,6 @@ def _answer(run: SearchRun, counts: Counter, stopped: int) -> tuple[Strategy | N
     else:
         report.note = no_winner_note(results, options, run.timed_out)
     report.search_seconds = time.perf_counter() - run.start
+    report.stage_seconds = dict(run.stage_seconds)
     report.created = time.time()
     return (None if winner is None else winner[0]), report

@@ -11,7 +11,7 @@ from atorch.auto.search.candidate import FAILED, MEASURED, PRUNED, CandidateResu
 from atorch.auto.search.report_schema import check_report
 from atorch.utils.files import write_text_atomic
 from atorch.utils.sizes import size_text  # noqa: F401 - its old home
-from atorch.utils.text_table import fold, output_width, table
+from atorch.utils.text_table import fold, output_width, table, wrap_cell
 
 
 @dataclass
@@ -46,6 +46,9 @@ class SearchReport:
     created: float | None = None
     # Why the search stopped dry-running before max_dryruns (atorch/auto/search/stop.py), if it did.
     stopped: str | None = None
+    # Where the search's time went: seconds by stage (engine.py's: space, estimates, dry runs,
+    # close call, trials on the pick), rank 0's clock; None in reports from before.
+    stage_seconds: dict[str, float] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -108,7 +111,7 @@ class SearchReport:
                      "candidates come first, in that order)" if any(c.side_by_side for c in self.candidates) else "")]
         hidden = [] if all_rows else self._pruned_lines(set(shown), width)
         stopped = [self.stopped] if self.stopped else []
-        top = [wrapped for line in (head, *self._counts_line(), *stopped, *rates, *self._tie_line())
+        top = [wrapped for line in (head, *self._time_lines(width), *self._counts_line(), *stopped, *rates, *self._tie_line())
                for wrapped in fold(line, width)]
         bottom = [wrapped for line in (*tail, *legend) for wrapped in fold(line, width)]
         return "\n".join([*top, *lines, *hidden, *bottom])
@@ -202,6 +205,15 @@ class SearchReport:
         elif behind:
             text += ", the fastest"
         return text + ")"
+
+    def _time_lines(self, width: int) -> list[str]:
+        """Where the search's time went, stage by stage, folded between stages (none in reports
+        from before it was kept)."""
+        if not self.stage_seconds:
+            return []
+        text = "time: " + ", ".join(f"{stage} {seconds:.1f}s" for stage, seconds in self.stage_seconds.items())
+        first, *rest = wrap_cell(text, width - 4)
+        return [first, *("    " + line for line in rest)]
 
     def _counts_line(self) -> list[str]:
         if self.generated is None:

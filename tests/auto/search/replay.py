@@ -29,7 +29,7 @@ REPLAYS = Path(__file__).parent / "replays"
 # bf16 instructions, where amp runs faster than fp32.
 REPLAY_SPEEDUP = 1.25
 # Report fields that a clock sets (when and how long the search ran), not a decision.
-CLOCK_FIELDS = ("search_seconds", "created")
+CLOCK_FIELDS = ("search_seconds", "created", "stage_seconds")
 
 
 @dataclass(frozen=True)
@@ -209,7 +209,7 @@ def replay(name: str, report_dir: Path) -> dict:
             use_search_cache=False, search_only=True, report_file=str(path), max_dryruns=scenario.max_dryruns,
             **kwargs)
     loaded = SearchReport.load(path)
-    loaded.search_seconds, loaded.created = 0.0, None  # what a clock set, not a decision
+    loaded.search_seconds, loaded.created, loaded.stage_seconds = 0.0, None, None  # what a clock set, not a decision
     report = loaded.to_dict()
     for field in CLOCK_FIELDS:
         report.pop(field)

@@ -48,7 +48,11 @@ def test_a_method_that_makes_the_pick_faster_is_kept_and_one_that_slows_it_is_no
     assert base.names == [n for n in names if n != "_wakes"] and base.status == "measured"
     assert not report.tied or report.refined_from not in report.tied
     flat = " ".join(report.table(width=120).split())
-    assert f"pick {base.name}:" in flat and "the pick with _wakes tried on it and kept" in flat
+    assert "the pick with _wakes tried on it and kept" in flat
+    # the pick's own line comes with a close call timed side by side (or a tie); the timings decide
+    # whether there was one (the lines themselves: test_side_by_side.py)
+    side_by_side = sum(bool(c.side_by_side) for c in report.candidates if c.status == "measured") > 1
+    assert (f"pick {base.name}:" in flat) == (side_by_side or bool(report.tied)), flat
     # the negative control: the same stage, a method that slows the step, is left out with its figures
     status, names, nap = run_distributed(search_with, 2, path, "_naps", ONLY_DDP)[0]
     assert "_naps" not in names and nap > 0

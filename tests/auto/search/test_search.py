@@ -58,6 +58,11 @@ def test_search_returns_a_working_strategy_and_a_report(tmp_path):
     assert pruned and all(c.reason for c in pruned)
     assert "measured" in report.table()
     json.loads((tmp_path / "report.json").read_text())
+    # where the time went: each stage that ran, in order, adding up to the search's time
+    assert list(report.stage_seconds) == ["space", "estimates", "dry runs", "close call", "trials on the pick"]
+    assert all(s >= 0 for s in report.stage_seconds.values())
+    assert sum(report.stage_seconds.values()) == pytest.approx(report.search_seconds, abs=0.5)
+    assert "time: space " in report.table()
 
 
 def search_then_apply(tmp_report, steps: int, excluded: list) -> dict:

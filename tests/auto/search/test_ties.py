@@ -105,3 +105,16 @@ def test_a_cached_report_says_so_first_with_its_age():
                           note="(from the search cache; pass use_search_cache=False to search again)")
     first = report.table().splitlines()[0]
     assert first.startswith("from the search cache (searched, 2h ago in 42.0s): atorch search: 1 candidates"), first
+
+
+def test_the_report_says_where_the_time_went_stage_by_stage():
+    plain = _candidate([0.10, 0.11, 0.12], 1)
+    stages = {"space": 3.5, "estimates": 2.0, "dry runs": 15.0, "close call": 14.1, "trials on the pick": 93.7}
+    report = SearchReport(world_size=2, device="cpu", memory_budget_bytes=2**30, candidates=[plain[1]], winner=0,
+                          search_seconds=128.3, stage_seconds=stages)
+    lines = report.table(width=80).splitlines()
+    assert lines[1:3] == ["time: space 3.5s, estimates 2.0s, dry runs 15.0s, close call 14.1s,",
+                          "    trials on the pick 93.7s"], lines  # folded between stages, not inside one
+    assert SearchReport.from_dict(report.to_dict()).stage_seconds == stages
+    report.stage_seconds = None  # a report from before: no such line
+    assert not any(line.startswith("time:") for line in report.table().splitlines())
