@@ -427,6 +427,9 @@ def report(results: dict, nproc: int, out: str, plot: str | None) -> str:
     markdown = harness.table(["scenario", "budget/rank", "candidates", "search picked", "exhaustive best",
                               "picked/best throughput", "search s", "exhaustive s", "search/exhaustive time",
                               "fits", "same pick", "estimate rank (Spearman)", "estimated/measured peak"], body)
+    stages = stage_table(results)
+    if stages:
+        markdown += "\n\nWhere each search's time went (seconds by stage, the search report's `stage_seconds`):\n\n" + stages
     harness.write(out, {"nproc": nproc, "scenarios": results}, markdown)
     if plot:
         done = {name: r for name, r in results.items() if r["best"] is not None}
@@ -436,6 +439,20 @@ def report(results: dict, nproc: int, out: str, plot: str | None) -> str:
                                                              for r in done.values()],
         }, f"strategy search vs exhaustive, {nproc} gloo ranks", ylabel="ratio")
     return markdown
+
+
+def stage_table(results: dict) -> str:
+    """A row per search of each scenario: its stages' seconds, its time and the exhaustive run's."""
+    from atorch.auto.search.state import STAGES
+
+    body = []
+    for name, r in results.items():
+        for index, stages in enumerate(r.get("search_stage_seconds") or ()):
+            if stages:
+                body.append([name, str(index + 1), *(f"{stages.get(stage, 0.0):.1f}" for stage in STAGES),
+                             f"{r['search_times'][index]:.0f}", f"{r['exhaustive_seconds']:.0f}"])
+    return harness.table(["scenario", "search", *(f"{stage} s" for stage in STAGES), "search s", "exhaustive s"],
+                         body) if body else ""
 
 
 def _rho(r: dict) -> str:

@@ -265,3 +265,15 @@ def test_a_variant_that_fails_on_one_rank_is_left_out_on_every_rank_with_its_rea
 
     for failed, fine in run_distributed(_one_rank_fails, 2):
         assert failed == (None, "rank 1: ValueError: only on rank 1") and fine == ("built", None)
+
+
+def test_search_quality_tabulates_where_each_search_spent_its_time():
+    from atorch.auto.search.state import STAGES
+    from benchmarks.search_quality import stage_table
+
+    stages = {"space": 3.5, "estimates": 2.5, "dry runs": 15.0, "close call": 14.1, "trials on the pick": 93.7}
+    text = stage_table({"gpt2": {"search_stage_seconds": [stages, None], "search_times": [132.4, 70.0],
+                                 "exhaustive_seconds": 163.4}})
+    assert list(STAGES) == list(stages)  # the stages the search reports (engine.py)
+    assert text.splitlines()[2] == "| gpt2 | 1 | 3.5 | 2.5 | 15.0 | 14.1 | 93.7 | 132 | 163 |"
+    assert len(text.splitlines()) == 3  # a search from before stage_seconds has no row

@@ -15,6 +15,9 @@ from atorch.auto.search.candidate import CandidateResult
 from atorch.auto.strategy import Strategy
 from atorch.utils.log import logger
 
+# The stages whose seconds a report keeps (SearchRun.lap, SearchReport.stage_seconds), in their order.
+STAGES = ("space", "estimates", "dry runs", "close call", "trials on the pick")
+
 
 @dataclass
 class SearchOptions:
