@@ -86,6 +86,8 @@ class SearchRun:
 
     def lap(self, stage: str) -> None:
         """Charge the seconds since the last stage ended (since the search began, for the first) to ``stage``."""
+        if stage not in STAGES:
+            raise ValueError(f"unknown search stage {stage!r}; the stages: {', '.join(STAGES)}")
         now = time.perf_counter()
         self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + now - (self.lap_end or self.start)
         self.lap_end = now
