@@ -10,18 +10,18 @@ compares with starts no process of its own either.
 What a fresh process would give, a kept one is made to give before each run: the caller's
 environment and working folder, torch's default seed, dtype, grad and deterministic modes, the
 atorch logger's level and propagation. What the imports made is frozen (``gc.freeze``, as the
-search does while it runs): a collection skips it. Each run collects twice (atorch's
-``release_groups`` and the pool's, after it), and over torch's, transformers' and atorch's objects
-each took 0.2-0.3 s, more than a small test's run. After each run, every module-level name of atorch that the
-run reassigned (the topology auto_accelerate set, a search's agreement group and timeout, a
-patched function) is put back, and so are the contents of its dicts, lists and sets (a method a
-test registered, a cache); every module of atorch is imported when a rank starts, so what is
-put back is what a fresh import left. A failure or a hang retires the pool (a peer may still wait
-in a collective), and so do ``MAX_RUNS`` runs; the next run starts fresh ranks.
-``ATORCH_TEST_FRESH_RANKS=1`` gives every run new processes (to rule the pool out when a test
-fails), as ``run_distributed(..., fresh=True)`` does for one test. ``ATORCH_TEST_POOL_LOG=FILE``
-writes a line a run (its world, the pool's count of runs, whether the pool was retired) and the
-names each run reassigned.
+search does while it runs; a search in a kept rank finds it frozen and leaves it so): a collection
+skips it. Each run collects twice (atorch's ``release_groups`` and the pool's, after it), and over
+torch's, transformers' and atorch's objects each took 0.2-0.3 s, more than a small test's run.
+After each run, every module-level name of atorch that the run reassigned (the topology
+auto_accelerate set, a search's agreement group and timeout, a patched function) is put back, and
+so are the contents of its dicts, lists and sets (a method a test registered, a cache); every
+module of atorch is imported when a rank starts, so what is put back is what a fresh import left. A
+failure or a hang retires the pool (a peer may still wait in a collective), and so do ``MAX_RUNS``
+runs; the next run starts fresh ranks. ``ATORCH_TEST_FRESH_RANKS=1`` gives every run new processes
+(to rule the pool out when a test fails), as ``run_distributed(..., fresh=True)`` does for one
+test. ``ATORCH_TEST_POOL_LOG=FILE`` writes a line a run (its world, the pool's count of runs,
+whether the pool was retired) and the names each run reassigned.
 """
 
 import atexit
