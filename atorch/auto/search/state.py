@@ -75,9 +75,8 @@ class SearchRun:
     refined: tuple | None = None
     refined_from: tuple | None = None  # the pick it refines (pick_winner's, before the trials)
     trials: int = 0  # rows refine.py added (counted as generated)
-    # seconds each stage took, on this rank's clock (SearchReport.stage_seconds), and when the last ended
+    # seconds each stage took, on this rank's clock (SearchReport.stage_seconds)
     stage_seconds: dict[str, float] = field(default_factory=dict)
-    lap_end: float | None = None
 
     def past_limit(self) -> bool:
         """On this rank's clock: rank 0's decides, through an agreement."""
@@ -88,9 +87,8 @@ class SearchRun:
         """Charge the seconds since the last stage ended (since the search began, for the first) to ``stage``."""
         if stage not in STAGES:
             raise ValueError(f"unknown search stage {stage!r}; the stages: {', '.join(STAGES)}")
-        now = time.perf_counter()
-        self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + now - (self.lap_end or self.start)
-        self.lap_end = now
+        last_ended = self.start + sum(self.stage_seconds.values())
+        self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + time.perf_counter() - last_ended
 
     def out_of_time(self) -> bool:
         return from_rank0(self.past_limit())
