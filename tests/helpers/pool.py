@@ -146,9 +146,8 @@ def _serve(rank: int, nproc: int, jobs, results, parent: int) -> None:
             sys.modules["torch._dynamo"].reset()
         gc.collect()
         gc.freeze()  # again: a run may have unfrozen them (atorch.cli's commands do on their way out)
-        if restored and os.environ.get("ATORCH_TEST_POOL_LOG"):
-            with open(os.environ["ATORCH_TEST_POOL_LOG"], "a") as log:
-                log.write(f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', '?')}: {restored[:5]}\n")
+        if restored:
+            _log(f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', '?')}: {restored[:5]}")
         results.put(("ready", rank, True, None))
 
 
@@ -212,10 +211,15 @@ def run_pooled(fn, nproc: int, args: tuple, kwargs: dict, timeout_s: float) -> l
         _pools[nproc] = pool
     else:
         pool.close()
-    if os.environ.get("ATORCH_TEST_POOL_LOG"):  # which runs started ranks, and why the pool went
-        with open(os.environ["ATORCH_TEST_POOL_LOG"], "a") as log:
-            log.write(f"run: world {nproc}, run {pool.runs} of its ranks{'' if keep else ', retired'}\n")
+    _log(f"run: world {nproc}, run {pool.runs} of its ranks{'' if keep else ', retired'}")
     return values
+
+
+def _log(line: str) -> None:
+    """A line to ``ATORCH_TEST_POOL_LOG``'s file, where it is set (see the module docstring)."""
+    if os.environ.get("ATORCH_TEST_POOL_LOG"):
+        with open(os.environ["ATORCH_TEST_POOL_LOG"], "a") as log:
+            log.write(line + "\n")
 
 
 def pooled(nproc: int) -> bool:
