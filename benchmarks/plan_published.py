@@ -36,12 +36,15 @@ def planned(point) -> dict:
     with quiet():
         result = plan_search(published_mfu.mpt_as_llama(size, seq), gpus, batch, seq, profile, 2.0,
                              ["fp8", "module_replace"])
-    fitting = [r for r in plan_report.records(result, gpus) if r["fits"]]
+    records = plan_report.records(result, gpus)
+    fitting = [r for r in records if r["fits"]]
     pick = fitting[0] if fitting else None
     row = {"model": f"MPT-{size}", "seq": seq, "gpus": gpus, "global_batch": batch, "published_mfu": published / 100,
            "published_layout": f"data={gpus}, microbatch {micro}, accumulation {batch // (micro * gpus)}; "
                                f"amp + {'checkpoint + ' if checkpoint else ''}fsdp",
-           "pick": None, "pick_mfu": None, "ratio": None}
+           "pick": None, "pick_mfu": None, "ratio": None,
+           # the stand-in's MLP divides over tensor splits: tensor layouts are in the space, costed
+           "tensor_candidates": sum(r["layout"].get("tensor", 1) > 1 for r in records)}
     if pick is not None:
         per_rank = batch // gpus  # the pick's step: the whole global batch
         mfu = published_mfu.mfu_row((size, seq, gpus, per_rank, checkpoint, published, params), pick["step_seconds"],

@@ -9,7 +9,7 @@ The runs (benchmarks/published_tables.py) are llm-foundry's tables for the profi
 FULL_SHARD under bf16 amp, with and without activation checkpointing, MFU = (6 N + 6 x attention's
 forward FLOPs per token) x tokens/s / (GPUs x the table's peak). An MPT block (attention, a
 4 x d_model GELU MLP, tied embeddings) is costed as a Llama block of the same parameter count and
-FLOPs (a gated MLP 8/3 x d_model wide); its FSDP all-gathers and reduce-scatters run per
+FLOPs (a gated MLP 8/3 x d_model wide, to a multiple of 64); its FSDP all-gathers and reduce-scatters run per
 microbatch, as Composer's FSDP does with gradient accumulation, so one microbatch's step is
 costed and the optimizer step left out. The profile's efficiency terms were set once against the
 rows marked fit together (benchmarks/fit_profile.py); the rows held out check them. Then
@@ -42,7 +42,11 @@ def mpt_as_llama(size: str, seq: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     d_model, layers, heads = MPT[size]
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=d_model, intermediate_size=round(8 * d_model / 3),
+    # 8/3 x d_model, to the nearest multiple of 64 (within 0.4% of it): MPT's 4 x d_model MLP
+    # divides over any tensor split its heads allow, and 8/3 x d_model itself is odd at every size,
+    # which left tensor parallelism out of the plan's space (no even split of the MLP)
+    intermediate = 64 * round(8 * d_model / 3 / 64)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=d_model, intermediate_size=intermediate,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
                          max_position_embeddings=seq, tie_word_embeddings=True)
     with torch.device("meta"):
