@@ -121,3 +121,27 @@ TORCHTITAN = {
         ],
     },
 }
+
+# Megatron-LM's weak-scaling table on H100s: GPT models of 1.7B-462B parameters, vocabulary
+# 131,072, sequence 4096, each on its own tensor x pipeline x data layout, with Megatron's
+# DP, TP and PP communication overlapped; end-to-end throughput. NVIDIA/Megatron-LM README.md
+# and images/model_table.png (added in commit f2e5db4, 2024-07-15; read at d98e8a6). The precision
+# is not stated: teraFLOP/s / MFU gives H100 SXM's dense bf16 peak (989 TFLOP/s), not fp8's.
+# Rows: (name, heads, hidden, layers, tensor, pipeline, data, GPUs, global batch in sequences,
+# published teraFLOP/s a GPU). The microbatch size is not published.
+MEGATRON_H100 = {
+    "source": "NVIDIA/Megatron-LM README.md, images/model_table.png (commit f2e5db4)",
+    "vocab": 131072,
+    "seq": 4096,
+    "runs": [
+        ("1.7B", 16, 2048, 24, 1, 1, 48, 48, 192, 408.8),
+        ("7.1B", 32, 4096, 30, 2, 1, 48, 96, 192, 465.9),
+        ("16B", 48, 6144, 32, 4, 1, 48, 192, 192, 489.1),
+        ("32B", 56, 7168, 48, 8, 1, 48, 384, 192, 459.6),
+        ("70B", 64, 8192, 84, 8, 2, 48, 768, 384, 419.7),
+        ("119B", 80, 10240, 92, 8, 4, 48, 1536, 768, 420.5),
+        ("177B", 96, 12288, 96, 8, 6, 48, 2304, 1152, 432.8),
+        ("314B", 128, 16384, 96, 8, 8, 48, 3072, 1536, 474.4),
+        ("462B", 144, 18432, 112, 8, 16, 48, 6144, 3072, 459.9),
+    ],
+}

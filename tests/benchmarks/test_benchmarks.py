@@ -278,3 +278,20 @@ def test_search_quality_tabulates_where_each_search_spent_its_time():
     assert list(STAGES) == list(stages)  # the stages the search reports (engine.py)
     assert text.splitlines()[2] == "| gpt2 | 1 | 3.5 | 2.5 | 15.0 | 14.1 | 93.7 | 132 | 163 |"
     assert len(text.splitlines()) == 3  # a search from before stage_seconds has no row
+
+
+@pytest.mark.slow
+def test_megatrons_published_layouts_are_costed_with_their_terms(tmp_path):
+    """benchmarks/published_layouts.py on Megatron-LM's 70B run (tensor 8 x pipeline 2 x data 48
+    on 768 H100s): its layout is among the plan's fitting candidates, estimated below what
+    Megatron measured there (atorch's runtime, not Megatron's), and its terms add up to its step."""
+    pytest.importorskip("transformers")
+    from benchmarks import published_layouts
+
+    published_layouts.main(["--tiny", "--out", str(tmp_path / "published_layouts")])
+    row, = json.loads((tmp_path / "published_layouts.json").read_text())["rows"]
+    assert row["layout"].startswith("tensor=8 x pipeline=2 x data=48") and 0.2 < row["ratio"] < 1.0, row
+    terms = row["terms"]
+    assert all(terms[t] >= 0 for t in published_layouts.TERMS), terms
+    assert terms["pipeline comm"] > 0 and terms["tensor comm"] > 0 and terms["bubble"] > 0
+    assert sum(terms[t] for t in published_layouts.TERMS) == pytest.approx(terms["step"], rel=1e-9)
