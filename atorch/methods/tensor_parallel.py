@@ -112,7 +112,7 @@ _SPLITS = ("column", "row")
 def tensor_ineligible(model, tensor: int) -> str | None:
     """Why the 1d algorithm cannot split ``model`` over ``tensor`` ranks, or None."""
     try:
-        plan = _plan(model, tensor)
+        plan = shard_plan(model, tensor)
     except ShardingError as error:
         return f"tensor={tensor}: {error}"
     if not any(how.startswith(_SPLITS) and how != "column_gather" for _, how in plan):
@@ -186,7 +186,7 @@ def _span_moments(spans, blocks: list[bool], model, checkpointed: bool) -> tuple
     return tuple(moments)
 
 
-def _plan(model, tensor: int) -> list:
+def shard_plan(model, tensor: int) -> list:
     """plan_shards, once per model and size while a search or plan costs its candidates."""
     return once(("plan_shards", id(model), tensor), lambda: plan_shards(model, tensor))
 
@@ -205,7 +205,7 @@ def tensor_activations(cost, tensor: int, sequence_parallel: bool = False) -> No
         cost.activations *= inside
         return
     checkpointed = cost.checkpointed_saves > 0
-    blocks = _blocks(cost.unit_spans, _plan(cost.model, tensor))
+    blocks = _blocks(cost.unit_spans, shard_plan(cost.model, tensor))
     cost.unit_spans = _split_spans(cost.unit_spans, blocks, inside, checkpointed)
     cost.activation_profile = _span_moments(cost.unit_spans, blocks, cost.model, checkpointed)
 
@@ -221,7 +221,7 @@ def tensor_terms(cost, tensor: int, sequence_parallel: bool = False, activations
         return
     if activations:
         tensor_activations(cost, tensor, sequence_parallel)
-    plan = _plan(cost.model, tensor)
+    plan = shard_plan(cost.model, tensor)
     modules = once(("modules", id(cost.model)), lambda: dict(cost.model.named_modules()))
     split = once(("tensor split bytes", id(cost.model), tensor), lambda: sum(
         p.numel() * p.element_size() for name, _ in plan for p in modules[name].parameters()))
@@ -260,9 +260,11 @@ def _sequence_traffic(cost, tensor: int, plan, modules: dict) -> None:
     column layers (attention's, the MLP's, the head's) the sequence gathered (its backward
     reduce-scatters); the vocabulary-split embedding's output reduce-scattered (its backward
     gathers); the head's logits gathered whole; and the gradients of the norm weights between
-    them (each rank saw only its chunk) all-reduced, one each. On 2 gloo ranks a 2-layer Llama
-    makes 15 all-reduces and 11 all-gathers (tests/auto/search/test_cost_traffic.py); the term
-    had charged 10 all-reduces of other widths. A checkpointed block's recompute is not counted."""
+    them (each rank saw only its chunk) all-reduced, one each, in every micro-batch's backward. On
+    2 gloo ranks a 2-layer Llama makes 15 all-reduces and 11 all-gathers
+    (tests/auto/search/test_cost_traffic.py); the term had charged 10 all-reduces of other widths.
+    A checkpointed block's recompute is not counted. Within a pipeline stage (mixed_parallel) the
+    layers' collectives are the stage's share; the logits are gathered whole, on the last stage."""
     rows = [_features(modules[name])[1] for name, how in plan if how.startswith("row")]
     heads = [modules[name] for name, how in plan if how == "column_gather"]
     embeddings = [modules[name].embedding_dim for name, how in plan if how == "embedding"]
@@ -272,12 +274,14 @@ def _sequence_traffic(cost, tensor: int, plan, modules: dict) -> None:
     calls = len(rows) + gathers + len(embeddings)
     logits = sum(head.out_features for head in heads)
     share = cost.stage_share
-    for kind, extra_width, extra_calls, factor in (("all_reduce", 0, 0, 2 * (tensor - 1) / tensor),
-                                                    ("all_gather", logits, len(heads), (tensor - 1) / tensor)):
-        cost.comms.append(Comm("tensor", cost.tokens * (width + extra_width) * share,
-                               max(1, round((calls + extra_calls) * share)), factor, kind, "tensor_parallel"))
+    for kind, factor in (("all_reduce", 2 * (tensor - 1) / tensor), ("all_gather", (tensor - 1) / tensor)):
+        cost.comms.append(Comm("tensor", cost.tokens * width * share, max(1, round(calls * share)), factor, kind,
+                               "tensor_parallel"))
+    if heads:
+        cost.comms.append(Comm("tensor", cost.tokens * logits, len(heads), (tensor - 1) / tensor, "all_gather",
+                               "tensor_parallel"))
     cost.comms.append(Comm("tensor", gathers * hidden * share, max(1, round(gathers * share)),
-                           2 * (tensor - 1) / tensor, "all_reduce", "tensor_parallel"))
+                           2 * (tensor - 1) / tensor, "all_reduce", "tensor_parallel", each_micro_batch=True))
 
 
 def _features(module) -> tuple[int, int]:
@@ -404,7 +408,7 @@ def sequence_ineligible(model, config: SequenceParallelConfig, job: LayoutJob) -
     if model is None:  # a space built without the model: the model is checked when applied
         return None
     why = tensor_ineligible(model, tensor)
-    return why if why is not None else sequence_parallel_problem(model, _plan(model, tensor))
+    return why if why is not None else sequence_parallel_problem(model, shard_plan(model, tensor))
 
 
 register_method(

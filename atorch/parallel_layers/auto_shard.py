@@ -253,16 +253,26 @@ def sequence_parallel_problem(model: nn.Module, plan: list[tuple[str, str]]) -> 
     return None
 
 
-def shard_model(model: nn.Module, group, tp: int, sequence_parallel: bool = False) -> list[tuple[str, str]]:
+# shard_model's default sequence entry: the model's first repeated block
+FIRST_BLOCK = "first block"
+
+
+def shard_model(model: nn.Module, group, tp: int, sequence_parallel: bool = False,
+                sequence_entry: nn.Module | str | None = FIRST_BLOCK) -> list[tuple[str, str]]:
     """Replace the planned modules in place with this rank's shards; return the plan.
 
     With ``sequence_parallel`` (Megatron's), the activations between a row-parallel output and
     the next column-parallel input (norms, residual adds) stay split on the sequence dim; this
     needs a model whose embedding feeds the blocks directly and whose head reads the last norm
-    (the Llama family).
+    (the Llama family). The residual stream is split where it enters ``sequence_entry``: the
+    model's first block by default. For one pipeline stage of a model (mixed_parallel), checked
+    whole before it was cut: the model's first block where the stage holds it, else None (the
+    stage's input arrives split from the stage before; a stage without the head hands its output
+    on split).
     """
     plan = plan_shards(model, tp)
-    why = sequence_parallel_problem(model, plan) if sequence_parallel else None
+    whole = isinstance(sequence_entry, str) and sequence_entry == FIRST_BLOCK
+    why = sequence_parallel_problem(model, plan) if sequence_parallel and whole else None
     if why is not None:
         raise ShardingError(why)
     if not any(how.startswith(("column", "row")) and how != "column_gather" for _, how in plan):
@@ -303,8 +313,10 @@ def shard_model(model: nn.Module, group, tp: int, sequence_parallel: bool = Fals
     if sequence_parallel:
         # The residual stream is split on the sequence from the first block's input to the
         # output head: the model-level code before the blocks (positions, masks) sees it whole.
-        first = next(m for m in model.modules() if isinstance(m, tuple(find_block_classes(model))))
-        first.forward = _SequenceInput(first.forward, group, scatter=True)
+        first = (next(m for m in model.modules() if isinstance(m, tuple(find_block_classes(model)))) if whole
+                 else sequence_entry)
+        if first is not None:
+            first.forward = _SequenceInput(first.forward, group, scatter=True)
         for block in {name.rpartition(".")[0] for name, how in plan if how in ("column", "row")}:
             module = modules[block]
             module.forward = _SequenceInput(module.forward, group, scatter=False)

@@ -102,6 +102,9 @@ class _DecoderStage(nn.Module):
         self.kinds = [layout.kind(n) for n in names]
         self.units = nn.ModuleList(layout.module(n) for n in names)
         self.is_last = is_last
+        # the parts of the sequence the hidden states arrive in: mixed_parallel's sequence
+        # parallelism hands a stage after the first block one tensor rank's chunk of it
+        self.sequence_parts = 1
 
     def forward(self, x, attention_mask=None):
         # A padding mask travels with the hidden states (the next stage builds its 4D mask from it).
@@ -109,7 +112,7 @@ class _DecoderStage(nn.Module):
         for kind, unit in zip(self.kinds, self.units):
             if kind == "layer":
                 if context is None:
-                    context = self.layout[0].layer_context(x, attention_mask)
+                    context = self.layout[0].layer_context(x, attention_mask, self.sequence_parts)
                 x = unit(x, **context)
             else:
                 x = unit(x)
@@ -147,10 +150,15 @@ class DecoderLMLayout(Layout):
     def stage_module(self, names, is_first, is_last):
         return _DecoderStage(self, names, is_last)
 
-    def layer_context(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict:
+    def layer_context(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, parts: int = 1) -> dict:
+        """The layers' keyword arguments for ``hidden``: the causal mask, positions and rotary
+        embeddings of the whole sequence, also where ``hidden`` holds one of its ``parts`` (a
+        sequence-parallel chunk; each layer gathers the whole sequence before attention)."""
         from transformers.masking_utils import create_causal_mask
 
         base = self.model.model
+        if parts > 1:  # the whole sequence's shape, without its memory (only shape, dtype and device are read)
+            hidden = hidden[:, :1].expand(hidden.shape[0], hidden.shape[1] * parts, hidden.shape[2])
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         # transformers 5.24 renamed past_key_values to cache (the old name warns until 5.40)
         cache = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"

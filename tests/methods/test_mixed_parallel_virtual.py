@@ -39,26 +39,30 @@ def _mixed(tensor: int, pipeline: int, virtual: int = 1, microbatches: int = 2):
 
 
 INTERLEAVED = [_mixed(2, 2, virtual=2)]
+# the same grid with sequence parallelism inside each stage
+SEQUENCE = [("mixed_parallel", {**_mixed(2, 2, virtual=2)[1], "sequence_parallel": True})]
 TENSOR_DATA_ZERO1 = [_mixed(2, 1, microbatches=1), "zero1"]
 GRID_ZERO1 = [_mixed(2, 2, virtual=2), "zero1"]  # 8 ranks: tensor=2 x pipeline=2 x data=2
 
 
-def _serial_losses() -> list[float]:
-    from tests.helpers.hf import CountingTokens
+def _serial_losses(padded: bool = False) -> list[float]:
+    from tests.helpers.hf import CountingTokens, PaddedTokens
 
-    model, data = _llama(), CountingTokens()
+    model, data = _llama(), PaddedTokens() if padded else CountingTokens()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    steps = (torch.stack([data[i]["input_ids"] for i in range(step * BATCH, (step + 1) * BATCH)]) for step in range(STEPS))
-    return serial_steps(model, optim, ({"input_ids": ids, "labels": ids} for ids in steps))
+    batches = ({key: torch.stack([data[i][key] for i in range(step * BATCH, (step + 1) * BATCH)]) for key in data[0]}
+               for step in range(STEPS))
+    return serial_steps(model, optim, batches)
 
 
-def _train(load_strategy) -> dict:
+def _train(load_strategy, padded: bool = False) -> dict:
     from atorch.auto import auto_accelerate
-    from tests.helpers.hf import CountingTokens
+    from tests.helpers.hf import CountingTokens, PaddedTokens
     from tests.helpers.models import optimizer_state_numel, result_steps
 
+    data = PaddedTokens() if padded else CountingTokens()
     _, result, strategy = auto_accelerate(
-        _llama(), torch.optim.AdamW, CountingTokens(), lambda batch, out: out.loss, optim_args={"lr": 1e-2},
+        _llama(), torch.optim.AdamW, data, lambda batch, out: out.loss, optim_args={"lr": 1e-2},
         dataloader_args={"batch_size": BATCH}, model_input_format="unpack_dict", load_strategy=load_strategy)
     losses = result_steps(result, STEPS)
     state = optimizer_state_numel(result.optim)
@@ -66,7 +70,8 @@ def _train(load_strategy) -> dict:
     kinds = {type(m).__name__ for _, m in result.model.local_named_modules() if "Parallel" in type(m).__name__}
     return {"losses": losses, "methods": strategy.opt_names, "optimizer": type(result.optim).__name__,
             "schedule": result.model.schedule_name, "local_stages": len(result.model.local_stage_ids),
-            "state_share": state / (2 * local), "parallel_modules": sorted(kinds)}
+            "state_share": state / (2 * local), "parallel_modules": sorted(kinds),
+            "sequence_parts": [getattr(m, "sequence_parts", 1) for m in result.model.stage_modules]}
 
 
 def _memory_ratios(cases: dict) -> dict:
@@ -91,9 +96,10 @@ PIPELINE4 = [("parallel_mode", ([("pipeline", 4), ("data", 1)], None)), ("pipeli
 
 def _four_ranks() -> dict:
     return {"interleaved": _train(INTERLEAVED), "zero1": _train(TENSOR_DATA_ZERO1),
-            "memory": _memory_ratios({"interleaved": INTERLEAVED, "zero1": TENSOR_DATA_ZERO1}),
+            "sequence": _train(SEQUENCE, padded=True),
+            "memory": _memory_ratios({"interleaved": INTERLEAVED, "zero1": TENSOR_DATA_ZERO1, "sequence": SEQUENCE}),
             "traffic": _traffic(INTERLEAVED), "pipeline4": _traffic(PIPELINE4),
-            "zero1_traffic": _traffic(TENSOR_DATA_ZERO1)}
+            "zero1_traffic": _traffic(TENSOR_DATA_ZERO1), "sequence_traffic": _traffic(SEQUENCE)}
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +116,21 @@ def test_interleaved_over_a_tensor_grid_trains_like_the_serial_model(four_ranks)
         assert (run["schedule"], run["local_stages"]) == ("interleaved", 2)
         assert {"ColumnParallelLinear", "RowParallelLinear"} <= set(run["parallel_modules"])
         assert_losses_close(run["losses"], reference, FP32_RTOL)
+
+
+def test_sequence_parallelism_inside_the_grids_stages_trains_like_the_serial_model_on_padded_batches(four_ranks):
+    """The same grid with sequence_parallel=True, on right-padded batches (attention mask and
+    labels -100): the stage holding the first block splits the sequence, the later ones receive
+    a tensor rank's chunk and build positions and the mask for the whole sequence; every step's
+    loss is the serial run's token mean."""
+    reference = _serial_losses(padded=True)
+    for rank in four_ranks:
+        run = rank["sequence"]
+        assert (run["schedule"], run["local_stages"]) == ("interleaved", 2)
+        assert {"ColumnParallelLinear", "RowParallelLinear"} <= set(run["parallel_modules"])
+        assert_losses_close(run["losses"], reference, FP32_RTOL)
+    # stage 0 (pipeline rank 0's first) splits the sequence; stages 1-3 receive chunks of 2 parts
+    assert sorted(part for rank in four_ranks for part in rank["sequence"]["sequence_parts"]) == [1, 1, 2, 2, 2, 2, 2, 2]
 
 
 def test_zero1_shards_the_tensor_slices_state_over_the_data_ranks_and_trains_like_serial(four_ranks):
@@ -175,6 +196,24 @@ def test_the_interleaved_grid_is_charged_the_collectives_it_makes(four_ranks):
     # 1F1B over 4 stages: a middle rank receives and sends both ways (4 a microbatch)
     charged = _charged(PIPELINE4, {"pipeline": 4, "data": 1})
     assert charged["pipeline"]["send_recv"] == _busiest([r["pipeline4"] for r in four_ranks], "pipeline", "send_recv")
+
+
+def test_sequence_parallelism_on_the_grid_is_charged_the_collectives_it_makes(four_ranks):
+    """Under sequence parallelism each microbatch's layers reduce-scatter (an all-reduce here)
+    and gather the sequence, and all-reduce their norm weights' gradients; the head gathers the
+    logits whole; the stages send a tensor rank's chunk of the hidden states: half the bytes of
+    the grid without it."""
+    seen = [rank["sequence_traffic"] for rank in four_ranks]
+    dims = {"tensor": 2, "pipeline": 2, "data": 1}
+    charged = _charged(SEQUENCE, dims)
+    for kind in ("all_reduce", "all_gather"):
+        calls, payload = _busiest(seen, "tensor", kind)
+        assert charged["tensor"][kind][0] == calls, (kind, charged, seen)
+        assert charged["tensor"][kind][1] == pytest.approx(payload, rel=0.01), (kind, charged, seen)
+    sends = _busiest(seen, "pipeline", "send_recv")
+    assert charged["pipeline"]["send_recv"] == sends
+    whole = _busiest([rank["traffic"] for rank in four_ranks], "pipeline", "send_recv")
+    assert sends[0] == whole[0] and sends[1] * 2 == pytest.approx(whole[1], rel=0.01)
 
 
 def _assert_data_sync_charged(seen: list[dict], load_strategy, dims: dict, microbatches: int) -> None:

@@ -41,6 +41,8 @@ def layout_text(dims, config: dict | None = None) -> str:
         text += f", microbatches={config['num_microbatches']}"
     if config and (config.get("virtual_pipeline_size") or 1) > 1:
         text += f", virtual stages={config['virtual_pipeline_size']}"
+    if config and config.get("sequence_parallel"):  # mixed_parallel's, inside the stages
+        text += ", sequence parallel"
     return text
 
 

@@ -61,18 +61,21 @@ def _texts(layouts):
 
 
 def test_the_space_lists_tensor_and_pipeline_layouts_and_says_why_others_cannot_run():
-    """6 heads and 2 decoder layers on 4 ranks: tensor=2 and pipeline=2 run, tensor=4 (heads) and
-    pipeline=4 (layers) cannot, each with its reason; the layouts combine with the other methods."""
+    """6 heads and 2 decoder layers on 4 ranks: tensor=2 and pipeline=2 run (tensor x pipeline
+    with and without sequence parallelism inside the stages), tensor=4 (heads) and pipeline=4
+    (layers) cannot, each with its reason; the layouts combine with the other methods."""
     model = _llama(heads=6, hidden=48)
     eligible, ineligible = layout_space(model, FOUR_RANKS, BATCH, "unpack_dict")
     assert _texts(eligible) == [
         "data=4", "pipeline=2 x data=2, microbatches=2", "pipeline=2 x data=2, microbatches=4", "tensor=2 x data=2",
-        "tensor=2 x pipeline=2, microbatches=2", "tensor=2 x pipeline=2, microbatches=4"]
+        "tensor=2 x pipeline=2, microbatches=2", "tensor=2 x pipeline=2, microbatches=2, sequence parallel",
+        "tensor=2 x pipeline=2, microbatches=4", "tensor=2 x pipeline=2, microbatches=4, sequence parallel"]
     reasons = {layout.text: why for layout, why in ineligible}
     # 2 or 4 virtual stages a rank (interleaved 1F1B) need 4 or 8 stages of the 2 layers even on pipeline=2
     virtual = {f"pipeline={p}{' x data=2' if p == 2 else ''}, microbatches={m}, virtual stages={v}"
                for p in (2, 4) for m in (p, 2 * p) for v in (2, 4)}
-    virtual |= {f"tensor=2 x pipeline=2, microbatches={m}, virtual stages={v}" for m in (2, 4) for v in (2, 4)}
+    virtual |= {f"tensor=2 x pipeline=2, microbatches={m}, virtual stages={v}{sp}"
+                for m in (2, 4) for v in (2, 4) for sp in ("", ", sequence parallel")}
     assert set(reasons) == {"tensor=4", "pipeline=4, microbatches=4", "pipeline=4, microbatches=8"} | virtual
     assert "6 heads do not divide over 4 ranks" in reasons["tensor=4"]
     assert "4 stages but the model has 2 layers" in reasons["pipeline=4, microbatches=4"]
