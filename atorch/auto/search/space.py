@@ -130,6 +130,10 @@ def candidate_space(
                 choices.append((spec.name, [None, *spec.search_space]))
         layouts = layouts or [Layout(())]
     seen: list[Strategy] = []
+    # what was kept, bucketed by its printed form: the same strategy always prints the same (each
+    # bucket is then searched with Strategy's own equality); a list alone made this quadratic,
+    # 40 s of a 96-rank plan's 64
+    kept: dict[str, list[Strategy]] = {}
     for layout in layouts:
         # a method that needs a dim this layout lacks (sequence_parallel, tensor) is not generated on it
         dims = _dims_of(layout, device_ctx.world_size)
@@ -153,10 +157,12 @@ def candidate_space(
             if any(name in excluded for name in planned.opt_names):
                 counts["conflicting"] += 1
                 continue
-            if planned in seen:
+            bucket = kept.setdefault(repr(planned), [])
+            if planned in bucket:
                 # e.g. fsdp on a layout whose data dim is 1: planning drops it, leaving the bare layout
                 counts["symmetric"] += 1
                 continue
+            bucket.append(planned)
             seen.append(planned)
     return sorted(seen, key=len)
 
