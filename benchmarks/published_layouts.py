@@ -2,7 +2,7 @@
 what the cost model makes of tensor x pipeline x data layouts that the fastest code of the field
 measured.
 
-    .venv/bin/python benchmarks/published_layouts.py          # about 3 minutes on a 2-core CPU
+    .venv/bin/python benchmarks/published_layouts.py          # about 8 minutes on a 2-core CPU
     .venv/bin/python benchmarks/published_layouts.py --tiny   # the 70B run (tensor 8 x pipeline 2)
 
 The runs are Megatron-LM's weak-scaling table (benchmarks/published_tables.MEGATRON_H100): GPT
