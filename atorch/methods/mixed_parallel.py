@@ -35,6 +35,7 @@ from atorch.parallel_layers.auto_shard import ShardingError, shard_model
 from atorch.pipeline.auto import PipelineFields, check_fields, pipeline_model, with_stage_microbatches
 from atorch.pipeline.layouts import layout_for
 from atorch.utils.memo import once
+from atorch.utils.modules import first_block
 
 
 class MixedParallelConfig(PipelineFields):
@@ -85,7 +86,7 @@ def _sequence_problem(model: torch.nn.Module, tensor: int) -> str | None:
     from atorch.parallel_layers.auto_shard import sequence_parallel_problem
     from atorch.pipeline.layouts import DecoderLMLayout
 
-    if not _decoder(model) or not isinstance(layout_for(model), DecoderLMLayout):
+    if not isinstance(layout_for(model), DecoderLMLayout):
         return (f"{type(model).__name__} is not a Llama-style decoder LM (embed_tokens, layers, norm, lm_head), the "
                 "only stages sequence parallelism runs in")
     return tensor_ineligible(model, tensor) or sequence_parallel_problem(model, shard_plan(model, tensor))
@@ -112,28 +113,21 @@ def split_and_shard(ctx: ModelContext, config: MixedParallelConfig) -> None:
     tensor = ctx.topology.size("tensor")
     group = ctx.topology.group("tensor")
     sequence = config.sequence_parallel and tensor > 1
-    first_block = _first_block(ctx.model) if sequence else None
+    first = first_block(ctx.model) if sequence else None
 
     def shard(stage_module):
         # under sequence parallelism the stage holding the model's first block splits the
         # sequence there; every later stage receives its tensor rank's chunk
-        holds_first = first_block is not None and any(m is first_block for m in stage_module.modules())
+        holds_first = first is not None and any(m is first for m in stage_module.modules())
         try:
             shard_model(stage_module, group, tensor, sequence_parallel=sequence,
-                        sequence_entry=first_block if holds_first else None)
+                        sequence_entry=first if holds_first else None)
         except ShardingError as error:
             raise MethodConfigError(f"mixed_parallel: {error}") from None
         if sequence and not holds_first:
             stage_module.sequence_parts = tensor
 
     pipeline_model(ctx, config, "mixed_parallel", stage_transform=shard if tensor > 1 else None)
-
-
-def _first_block(model: torch.nn.Module) -> torch.nn.Module:
-    from atorch.utils.modules import find_block_classes
-
-    classes = tuple(find_block_classes(model))
-    return next(m for m in model.modules() if isinstance(m, classes))
 
 
 def layouts(world_size: int, model=None) -> list[tuple[dict[str, int], dict]]:

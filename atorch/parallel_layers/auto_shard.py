@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from atorch.parallel_layers.layers import ColumnParallelLinear, column_from_linear, embedding_from, row_from_linear
-from atorch.utils.modules import find_block_classes
+from atorch.utils.modules import find_block_classes, first_block
 
 _ELEMENTWISE = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.Dropout, nn.LeakyReLU, nn.Mish)
 
@@ -313,8 +313,7 @@ def shard_model(model: nn.Module, group, tp: int, sequence_parallel: bool = Fals
     if sequence_parallel:
         # The residual stream is split on the sequence from the first block's input to the
         # output head: the model-level code before the blocks (positions, masks) sees it whole.
-        first = (next(m for m in model.modules() if isinstance(m, tuple(find_block_classes(model)))) if whole
-                 else sequence_entry)
+        first = first_block(model) if whole else sequence_entry
         if first is not None:
             first.forward = _SequenceInput(first.forward, group, scatter=True)
         for block in {name.rpartition(".")[0] for name, how in plan if how in ("column", "row")}:

@@ -24,6 +24,12 @@ def find_block_classes(model: torch.nn.Module) -> list[type]:
     return found
 
 
+def first_block(model: torch.nn.Module) -> torch.nn.Module:
+    """The first of the model's repeated blocks (:func:`find_block_classes`), in module order."""
+    classes = tuple(find_block_classes(model))
+    return next(m for m in model.modules() if isinstance(m, classes))
+
+
 def by_block(model: torch.nn.Module, names: Iterable[str]) -> list[list[str]]:
     """``names`` (qualified module names) grouped by the repeated block (:func:`find_block_classes`)
     that holds them, each group in the given order; names outside every block are left out."""
