@@ -224,6 +224,10 @@ class StepCost:
     # "backward") for parameters gathered a unit ahead (FSDP2's prefetch); a kind not named waits
     # (zero1's broadcast after the step). The profile's ``overlap`` says how much of it does hide.
     sync_overlap: dict = field(default_factory=dict)
+    # by kind, the share of those passes' compute such a collective can hide behind where not all
+    # of it: a pipeline's sums start at its stages' last microbatch, so only the backward after
+    # that is a window (a DDP bucket starts as backward fills it, in any micro-batch)
+    sync_window: dict = field(default_factory=dict)
     # bytes of a data-sync collective's tensors per byte of the rank's model piece, by kind, when
     # not the model's own dtype (FSDP2 under amp gathers the parameters in amp's 2-byte dtype)
     sync_share: dict = field(default_factory=dict)
@@ -376,7 +380,7 @@ class StepCost:
             seconds = wire / bandwidth + latency * calls
             hidden = 0.0
             for phase in self.sync_overlap.get(kind, ()):
-                behind = min(seconds * hides - hidden, windows[phase])
+                behind = min(seconds * hides - hidden, windows[phase] * self.sync_window.get(kind, 1.0))
                 windows[phase] -= behind
                 hidden += behind
             comm += seconds - hidden

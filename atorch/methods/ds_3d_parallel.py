@@ -95,7 +95,8 @@ def cost_term(config: Ds3dParallelConfig, cost) -> None:
 
     fields = SimpleNamespace(num_microbatches=config.num_microbatches, virtual_pipeline_size=1, schedule="1f1b",
                              pipeline_cuts=None)
-    pipeline_terms(cost, fields, cost.size("pipeline"))
+    pipeline_terms(cost, fields, cost.size("pipeline"), grad_sync=False)
+    cost.sync_overlap = {}
     cost.sync_calls = {"bucket_bytes": reduce_bucket_elements(merged(config)) * cost.element_bytes()}
 
 

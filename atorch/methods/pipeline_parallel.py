@@ -18,9 +18,11 @@ from atorch.auto.step_cost import Comm
 from atorch.errors import AtorchConfigError, NotSupportedError
 from atorch.pipeline import pipeline_eligibility
 from atorch.pipeline.auto import PipelineFields, check_fields, pipeline_model, with_stage_microbatches
+from atorch.pipeline.grad_sync import bucket_layout, packed_bytes
 from atorch.pipeline.layouts import layout_for
 from atorch.pipeline.partition import balanced_ranges, ranges_from_cuts
 from atorch.pipeline.schedules import check_schedule
+from atorch.sharding.fsdp2 import held_per_rank
 from atorch.utils.memo import once
 
 
@@ -265,12 +267,45 @@ def _stage_moments(spans, ranges: list[list[str]], stages: int, m: int, schedule
     return tuple(moments)
 
 
-def _stage_sizes(model, ranges: list[list[str]], stages: int) -> tuple[list[int], list[int]]:
-    """(parameters of each stage, parameter tensors of each rank's stages)."""
+def _stage_sizes(model, ranges: list[list[str]], stages: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """(parameters of each stage, and of each rank's stages the data-parallel sum's collectives and
+    packed bucket bytes: atorch.pipeline.grad_sync's buckets, each stage's own)."""
     sizes = [sum(p.numel() for name in names for p in model.get_submodule(name).parameters()) for names in ranges]
-    tensors = [sum(len(list(model.get_submodule(name).parameters())) for names in ranges[r::stages] for name in names)
-               for r in range(stages)]
-    return sizes, tensors
+    return sizes, [_sync_of(*(_trainable(model, names) for names in ranges[rank::stages])) for rank in range(stages)]
+
+
+def _sync_of(*stage_params: list) -> tuple[int, int]:
+    """(collectives, packed bytes) of the data ranks' sum of stages holding ``stage_params``."""
+    buckets = [bucket for params in stage_params for bucket in bucket_layout(params)]
+    return len(buckets), packed_bytes(buckets)
+
+
+def _trainable(model, names: list[str]) -> list:
+    """The parameters of units ``names`` the data ranks sum (once each, in registration order)."""
+    params = {id(p): p for name in names for p in model.get_submodule(name).parameters()
+              if p.requires_grad and not held_per_rank(p)}
+    return list(params.values())
+
+
+def sync_window(schedule: str, stages: int, m: int, v: int) -> float:
+    """The share of a rank's backward compute its data-parallel sums can run behind
+    (atorch.pipeline.grad_sync): after the deepest of its ``v`` stages runs its last microbatch,
+    an interleaved schedule still runs backward for ``min(stages, m)`` microbatches of each of the
+    others; the last stage's sums start as that last backward reaches each bucket (a full backward;
+    a zero-bubble schedule's weight pass fills them all at its end)."""
+    own_last = 0 if schedule in ("zero_bubble", "zbv") else 1
+    return min(1.0, ((v - 1) * min(stages, m) + own_last) / (m * v))
+
+
+def _grad_sync_terms(cost, calls: int, packed: int, window: float) -> None:
+    """The data ranks' sums (atorch.pipeline.grad_sync): an all-reduce a bucket, started at each
+    stage's last microbatch and hidden only behind the backward that runs after it; the packed
+    buckets' buffers, beside the gradients after backward. Blocking after the schedule, a collective a parameter, it had cost
+    pipeline=4 x data=16 on 7B 0.608 s a step (estimated, H100 profile)."""
+    cost.sync_calls = {"all_reduce": calls}
+    if cost.dp_size > 1:  # alive with the whole gradients, from the last microbatch's backward on
+        cost.reduce_temp = max(cost.reduce_temp, packed)
+    cost.sync_overlap, cost.sync_window = {"all_reduce": ("backward",)}, {"all_reduce": window}
 
 
 def _uniform_moments(schedule: str, stages: int, m: int, v: int) -> tuple:
@@ -289,22 +324,24 @@ def _uniform_moments(schedule: str, stages: int, m: int, v: int) -> tuple:
     return ((flight / m, 0.0, 1.0), ((flight - 1) / m, 1.0, 1.0))
 
 
-def pipeline_terms(cost, config: PipelineFields, stages: int) -> None:
+def pipeline_terms(cost, config: PipelineFields, stages: int, grad_sync: bool = True) -> None:
     """Memory and time of ``stages`` pipeline stages: a rank keeps its stages' share of the model;
     a schedule keeps some microbatches' activations in flight and idles (p-1)/(m v) of the time;
-    stages send each microbatch's hidden state forward and its gradient back."""
+    stages send each microbatch's hidden state forward and its gradient back. With ``grad_sync``,
+    PipelineModel's sum of the gradients over the data ranks (not DeepSpeed's engine's)."""
 
-    cost.grad_buckets = False  # the pipeline model averages the gradients itself: no DDP
-    if stages <= 1:  # one stage (mixed_parallel's pipeline_size 1): the whole model's all-reduces
-        cost.sync_calls = {"all_reduce": once(("parameter tensors", id(cost.model)),
-                                              lambda: len(list(cost.model.parameters())))}
-        cost.sync_overlap = {}
+    cost.grad_buckets = False  # the pipeline model sums the gradients itself: no DDP
+    schedule = check_schedule(config.schedule, config.virtual_pipeline_size)
+    if stages <= 1:  # one stage (mixed_parallel's pipeline_size 1): the whole model's buckets
+        if grad_sync:
+            sync = once(("sync buckets", id(cost.model)), lambda: _sync_of(_trainable(cost.model, [""])))
+            _grad_sync_terms(cost, *sync, sync_window(schedule, 1, config.num_microbatches, 1))
         return
     cuts = None if config.pipeline_cuts is None else tuple(config.pipeline_cuts)
     ranges = once(("stage_ranges", id(cost.model), stages, config.virtual_pipeline_size, cuts),
                   lambda: stage_ranges(cost.model, config, stages))
-    sizes, tensors = once(("stage sizes", id(cost.model), stages, config.virtual_pipeline_size, cuts),
-                          lambda: _stage_sizes(cost.model, ranges, stages))
+    sizes, syncs = once(("stage sizes", id(cost.model), stages, config.virtual_pipeline_size, cuts),
+                        lambda: _stage_sizes(cost.model, ranges, stages))
     per_rank = [sum(sizes[r::stages]) for r in range(stages)]  # interleaved: rank r runs stages r, r+p, ...
     share = max(per_rank) / max(sum(sizes), 1)
     busiest = per_rank.index(max(per_rank))
@@ -317,13 +354,8 @@ def pipeline_terms(cost, config: PipelineFields, stages: int) -> None:
     cost.comms = [replace(c, elements=c.elements * share,
                           messages=max(1, round(c.messages * share * (m if c.kind == "send_recv" else 1))))
                   if c.method == "expert_parallel" else c for c in cost.comms]
-    # After the schedule the pipeline model all-reduces each of its stages' gradients over the data
-    # ranks, one blocking collective a parameter (PipelineModel._average_data_parallel_grads): no
-    # DDP buckets, nothing behind backward. Costed as DDP's overlapped buckets, pipeline=4 x data=16
-    # on 7B was 0.442 s a step, 0.608 s by the collectives the code makes (estimated, H100 profile).
-    cost.sync_calls = {"all_reduce": tensors[per_rank.index(max(per_rank))]}
-    cost.sync_overlap = {}
-    schedule = check_schedule(config.schedule, v)
+    if grad_sync:
+        _grad_sync_terms(cost, *syncs[busiest], sync_window(schedule, stages, m, v))
     params = {span.name: sum(p.numel() for p in cost.model.get_submodule(span.name).parameters())
               for span in cost.unit_spans}
     moments = _stage_moments(cost.unit_spans, ranges, stages, m, schedule, params)

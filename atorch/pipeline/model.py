@@ -24,6 +24,7 @@ from atorch.loss.counting import rule_for
 from atorch.parallel_layers.expert_dispatch import average_over_copies
 from atorch.pipeline import failure
 from atorch.pipeline.failure import PipelineStepError
+from atorch.pipeline.grad_sync import BUCKET_BYTES, GradSync
 from atorch.pipeline.layouts import layout_for
 from atorch.pipeline.loss import pick_loss, reduce_losses, split_batch
 from atorch.pipeline.partition import balanced_ranges, ranges_from_cuts
@@ -62,6 +63,10 @@ class PipelineModel(nn.Module):
         loss = model.run_train(input=x, target=y)  # forward and backward of all microbatches
         optim.step(); optim.zero_grad()
     """
+
+    # Gradients of at least this many bytes are summed over the data ranks alone, smaller ones in
+    # packed buckets of up to it (atorch.pipeline.grad_sync); set before the first step.
+    grad_bucket_bytes = BUCKET_BYTES
 
     def __init__(self, module: nn.Module, transformer_layer_cls: type | None = None, num_microbatches: int = 1,
                  virtual_pipeline_size: int = 1, output_loss_value_spec: Any = None, return_mb_loss: bool = False,
@@ -125,6 +130,7 @@ class PipelineModel(nn.Module):
         self._in_schedule = False
         self._steps = 0
         self._traced_runs: dict = {}  # input shapes -> (stages, schedule), for a traced model
+        self._grad_sync: tuple | None = None  # (the parameters it was built for, GradSync)
         if self.traced:  # stages are built from the trace (on these parameters), at the first call
             _mark_shards(self.local_parameters(), self.topology)
             self.stages, self._schedule = [], None
@@ -313,6 +319,7 @@ class PipelineModel(nn.Module):
         target = torch.arange(self.num_microbatches) if self.has_last else None
         run = self._schedule.step if train else self._schedule.eval
         extra = {"return_outputs": False} if train else {}
+        sync = self._sync_for_step() if train else None
         self._in_schedule = True  # from here a failure leaves the ranks out of step
         self._parts, self._mb_losses = {}, {}
         with _copies_unsynced(module for _, module in self.local_named_modules()):
@@ -321,7 +328,7 @@ class PipelineModel(nn.Module):
         last_rank = self.stages[0].stage_index_to_group_rank[self.num_stages - 1]
         totals = self._step_totals(last_rank)
         if train:
-            self._reduce_data_parallel_grads(self._expected / max(float(totals[0]), 1.0))
+            self._reduce_data_parallel_grads(self._expected / max(float(totals[0]), 1.0), sync)
             self._sync_tied(weights=False)
             if totals[0] > 0:
                 self._expected = float(totals[0]) / (self.topology.data_parallel_size * self.num_microbatches)
@@ -421,17 +428,56 @@ class PipelineModel(nn.Module):
         rows = -(-whole.shape[0] // size)
         return whole[rank * rows:(rank + 1) * rows].clone()
 
-    def _reduce_data_parallel_grads(self, factor: float) -> None:
-        """Gradients summed over the data ranks, then multiplied by ``factor`` (``K / N``).
+    def _sync_for_step(self) -> GradSync | None:
+        """The step's :class:`GradSync` (rebuilt when the local parameters changed); None where
+        there is one data rank, or fsdp/zero2 shard the stages (their hooks reduce-scatter)."""
+        if self.topology.data_parallel_size == 1 or self._data_sharded:
+            return None
+        params = tuple(self.local_parameters())
+        if self._grad_sync is None or self._grad_sync[0] != tuple(map(id, params)):
+            if self._grad_sync is not None:
+                self._grad_sync[1].remove()
+            self._grad_sync = (tuple(map(id, params)), self._new_grad_sync(params))
+        sync = self._grad_sync[1]
+        for stage in self.stages:
+            if isinstance(stage, _Stage):
+                stage.grad_sync = sync
+        sync.begin()
+        return sync
+
+    def _new_grad_sync(self, params: tuple) -> GradSync:
+        """Each local stage's parameters, in the order its units register them; a parameter two
+        local stages use (a tied embedding and head on one rank) is summed after the schedule."""
+        trainable = {id(p) for p in params if p.requires_grad and not held_per_rank(p)}
+        users: dict[int, list[int]] = {}
+        by_stage: dict[int, list] = {}
+        for stage in self.local_stage_ids:
+            seen: dict[int, nn.Parameter] = {}
+            for name in self.stage_units[stage]:
+                for param in self._module[0].get_submodule(name).parameters():
+                    if id(param) in trainable:
+                        seen.setdefault(id(param), param)
+            by_stage[stage] = list(seen.values())
+            for key in seen:
+                users.setdefault(key, []).append(stage)
+        shared = {key for key, stages in users.items() if len(stages) > 1}
+        late = list({id(p): p for ps in by_stage.values() for p in ps if id(p) in shared}.values())
+        stages = {stage: [p for p in ps if id(p) not in shared] for stage, ps in by_stage.items()}
+        return GradSync(stages, late, self.topology.data_parallel_group, self.grad_bucket_bytes)
+
+    def _reduce_data_parallel_grads(self, factor: float, sync: GradSync | None) -> None:
+        """Gradients summed over the data ranks, then multiplied by ``factor`` (``K / N``): by
+        ``sync``, which started each stage's sums inside the schedule (atorch.pipeline.grad_sync).
 
         expert_parallel's slices are not: each is a different tensor on each rank of its expert
         group, whose gradient the all-to-all's backward already brought from every token of the
         group, divided by the group's size. Averaged over the slice's copies (the ranks of other
         groups that hold the same experts), it is the data ranks' mean, times the data size the
         sum the other weights get."""
+        done = sync.finish(factor) if sync is not None else set()
         group, size = self.topology.data_parallel_group, self.topology.data_parallel_size
         for param in self.local_parameters():
-            if param.grad is None:
+            if param.grad is None or id(param) in done:
                 continue
             if held_per_rank(param):
                 average_over_copies(param, getattr(param, "replica_group", None))
@@ -446,17 +492,32 @@ class PipelineModel(nn.Module):
 
 
 class _Stage(PipelineStage):
-    """A stage whose first-step shape inference leaves its tensor-parallel random streams as they
-    were. torch runs that inference forward on real tensors inside ``fork_rng``, which keeps the
-    default stream only; a stage sharded by mixed_parallel draws attention dropout from a tracker of
-    its own, which moved, so a run resumed from a checkpoint (whose first step infers again) drew
-    other masks than the uninterrupted run from then on."""
+    """A stage whose last backward of a step starts its gradients' sum over the data ranks, and
+    whose first-step shape inference leaves its tensor-parallel random streams as they were.
+
+    torch runs that inference forward on real tensors inside ``fork_rng``, which keeps the default
+    stream only; a stage sharded by mixed_parallel draws attention dropout from a tracker of its
+    own, which moved, so a run resumed from a checkpoint (whose first step infers again) drew other
+    masks than the uninterrupted run from then on."""
+
+    grad_sync: GradSync | None = None  # set by PipelineModel for a training step over several data ranks
 
     def _prepare_forward_infra(self, *args, **kwargs):
         from atorch.parallel_layers.random import tracker_of
 
         with tracker_of(self.submod).kept():
             return super()._prepare_forward_infra(*args, **kwargs)
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+        """The backward of one microbatch; the last one that fills the weights' gradients (a full
+        or weight backward) starts their sum over the data ranks (:class:`GradSync`)."""
+        sync = self.grad_sync if last_backward and backward_type != "input" else None
+        if sync is not None:
+            sync.arm(self.stage_index)
+        result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        if sync is not None:
+            sync.stage_done(self.stage_index)
+        return result
 
 
 @contextlib.contextmanager
