@@ -261,6 +261,8 @@ def accumulation_terms(cost, reduce_share: float, every_micro_batch: bool = Fals
     if every_micro_batch:
         cost.data_sync["grads"] = cost.data_sync.get("grads", 0) * steps
         cost.sync_calls["reduce_scatter"] = cost.sync_calls.get("reduce_scatter", 1) * steps
+        # each micro-batch's reduce-scatters run behind its own backward: the whole backward's window
+        cost.sync_window = {k: v for k, v in cost.sync_window.items() if k != "reduce_scatter"}
         return
     whole = cost.param_bytes(trainable_only=True) * cost.weight_scale * cost.split * cost.stage_share
     whole *= 1 - cost.held_apart  # the slices held apart accumulate in their .grad (counted in grads)

@@ -67,10 +67,16 @@ def cost_term(config: GradientAccumulationConfig, cost) -> None:
     (StepCost.accumulation); the sharding methods' terms read the count (they run after this).
     Each micro-batch past the first costs the host a fixed time of its own (a forward and backward
     call, the loss, the sync switched off and on), calibrated: on search_quality's BERT and MLP (4
-    ranks on 2 cores) a second micro-batch added 20-25 ms a step beyond its operators."""
+    ranks on 2 cores) a second micro-batch added 20-25 ms a step beyond its operators. The
+    gradients' sync runs in the last micro-batch's backward: only that is its window (a sharding
+    method that reduces every micro-batch widens it again)."""
     cost.accumulation *= config.steps
     cost.activations /= config.steps
     cost.charge("gradient_accumulation", cost.accumulation - 1)
+    # the gradients' sync is off until the last micro-batch (atorch/auto/loop.py): DDP's
+    # all-reduces and FSDP2's reduce-scatters hide behind that micro-batch's backward only
+    deferred = 1.0 / cost.accumulation
+    cost.sync_window = {**cost.sync_window, "all_reduce": deferred, "reduce_scatter": deferred}
 
 
 register_method(

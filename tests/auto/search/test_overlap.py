@@ -71,3 +71,54 @@ def test_the_profile_overlap_is_a_sourced_share():
         profile_from_data({**h100, "overlap": 1.5})
     without = {k: v for k, v in h100.items() if k != "overlap"}
     assert profile_from_data(without).overlap == 0.0  # a calibrated or older profile: nothing hides
+
+
+def test_under_accumulation_only_the_last_micro_batchs_backward_hides_the_all_reduce():
+    """atorch/auto/loop.py turns the gradients' sync off until the last of 4 micro-batches: DDP's
+    all-reduce hides behind that micro-batch's backward alone, a quarter of the step's (it had hidden
+    behind all four)."""
+    methods = [("gradient_accumulation", {"steps": 4})]
+    sync = _seconds(methods, 8, 0.0, SHORT) - _seconds(methods, 1, 1.0, SHORT)
+    # a forward whose backward takes twice that sync's time: a quarter of it hides half the sync
+    flops = sync * load_profile("h100_80gb").rate("float32")
+    alone = _seconds(methods, 1, 1.0, flops)
+    backward = alone * 2 / 3
+    assert backward == pytest.approx(2 * sync, rel=0.01)
+    hidden = _seconds(methods, 8, 0.0, flops) - _seconds(methods, 8, 1.0, flops)
+    assert hidden == pytest.approx(backward / 4, rel=1e-3)
+
+
+def test_fsdp_reducing_every_micro_batch_hides_behind_every_backward():
+    """Under accumulation FSDP2's reduce-scatter has the last micro-batch's backward as its window,
+    unless fsdp reduces every micro-batch (``reduce_every_micro_batch``); its gathers run in every
+    micro-batch either way."""
+    def window(config: dict) -> dict:
+        step = cost.build_cost(_model(), Strategy([("parallel_mode", {}), ("fsdp", config),
+                                                   ("gradient_accumulation", {"steps": 4})]),
+                               {"data": 8}, 2.0, 0, LONG, 32, "cuda")
+        return step.sync_window
+
+    assert window({}) == {"all_reduce": 0.25, "reduce_scatter": 0.25}
+    assert window({"reduce_every_micro_batch": True}) == {"all_reduce": 0.25}
+
+
+def _pipeline_seconds(schedule: str, overlap: float, whole_window: bool = False) -> float:
+    strategy = Strategy([("parallel_mode", ([("pipeline", 2), ("data", 4)], None)),
+                         ("pipeline_parallel", {"num_microbatches": 4, "schedule": schedule})])
+    step = cost.build_cost(_model(), strategy, {"pipeline": 2, "data": 4}, 2.0, 0, LONG, 32, "cuda")
+    step.profile = dataclasses.replace(load_profile("h100_80gb"), overlap=overlap)
+    if whole_window:
+        step.sync_window = {}
+    return step.seconds()
+
+
+def test_a_pipelines_sums_hide_only_behind_the_backward_after_its_last_microbatch():
+    """PipelineModel starts the data ranks' sums in each stage's last backward (grad_sync.py):
+    behind a long backward the sums hide whole under 1F1B (its last microbatch's backward is the
+    window), and not at all under a zero-bubble schedule, whose weight pass fills the gradients
+    only at its end."""
+    for schedule, hides in (("1f1b", True), ("zero_bubble", False)):
+        exposed = _pipeline_seconds(schedule, 0.0)
+        whole = exposed - _pipeline_seconds(schedule, 1.0, whole_window=True)  # all the sums can hide
+        assert whole > 0
+        assert exposed - _pipeline_seconds(schedule, 1.0) == pytest.approx(whole if hides else 0.0, abs=1e-12)
