@@ -287,13 +287,14 @@ def _trainable(model, names: list[str]) -> list:
     return list(params.values())
 
 
-def sync_window(schedule: str, stages: int, m: int, v: int) -> float:
+def sync_window(schedule: str, stages: int, m: int, v: int, hooked: bool = True) -> float:
     """The share of a rank's backward compute its data-parallel sums can run behind
     (atorch.pipeline.grad_sync): after the deepest of its ``v`` stages runs its last microbatch,
     an interleaved schedule still runs backward for ``min(stages, m)`` microbatches of each of the
-    others; the last stage's sums start as that last backward reaches each bucket (a full backward;
-    a zero-bubble schedule's weight pass fills them all at its end)."""
-    own_last = 0 if schedule in ("zero_bubble", "zbv") else 1
+    others; the last stage's sums start as that last backward reaches each bucket (``hooked``, a
+    full backward; a zero-bubble schedule's weight pass fills them all at its end, and torch's
+    schedules reduce-scatter FSDP2's gradients after a stage's last backward, not during it)."""
+    own_last = 1 if hooked and schedule not in ("zero_bubble", "zbv") else 0
     return min(1.0, ((v - 1) * min(stages, m) + own_last) / (m * v))
 
 
@@ -336,6 +337,7 @@ def pipeline_terms(cost, config: PipelineFields, stages: int, grad_sync: bool = 
         if grad_sync:
             sync = once(("sync buckets", id(cost.model)), lambda: _sync_of(_trainable(cost.model, [""])))
             _grad_sync_terms(cost, *sync, sync_window(schedule, 1, config.num_microbatches, 1))
+            cost.sync_window["reduce_scatter"] = 0.0
         return
     cuts = None if config.pipeline_cuts is None else tuple(config.pipeline_cuts)
     ranges = once(("stage_ranges", id(cost.model), stages, config.virtual_pipeline_size, cuts),
@@ -356,6 +358,8 @@ def pipeline_terms(cost, config: PipelineFields, stages: int, grad_sync: bool = 
                   if c.method == "expert_parallel" else c for c in cost.comms]
     if grad_sync:
         _grad_sync_terms(cost, *syncs[busiest], sync_window(schedule, stages, m, v))
+        # fsdp/zero2 beside it: FSDP2's reduce-scatters run after each stage's last backward
+        cost.sync_window["reduce_scatter"] = sync_window(schedule, stages, m, v, hooked=False)
     params = {span.name: sum(p.numel() for p in cost.model.get_submodule(span.name).parameters())
               for span in cost.unit_spans}
     moments = _stage_moments(cost.unit_spans, ranges, stages, m, schedule, params)

@@ -122,3 +122,21 @@ def test_a_pipelines_sums_hide_only_behind_the_backward_after_its_last_microbatc
         whole = exposed - _pipeline_seconds(schedule, 1.0, whole_window=True)  # all the sums can hide
         assert whole > 0
         assert exposed - _pipeline_seconds(schedule, 1.0) == pytest.approx(whole if hides else 0.0, abs=1e-12)
+
+
+def test_fsdp_beside_a_pipeline_reduce_scatters_after_the_schedule_unhidden():
+    """torch's single-stage schedules reduce-scatter FSDP2's gradients after the last microbatch
+    (PipelineStage.perform_reduce_grad): behind no backward, where the gathers still hide."""
+    strategy = Strategy([("parallel_mode", ([("pipeline", 2), ("data", 4)], None)),
+                         ("pipeline_parallel", {"num_microbatches": 4}), "fsdp"])
+
+    def seconds(overlap: float, scatters_hide: bool = True) -> float:
+        step = cost.build_cost(_model(), strategy, {"pipeline": 2, "data": 4}, 2.0, 0, LONG, 32, "cuda")
+        step.profile = dataclasses.replace(load_profile("h100_80gb"), overlap=overlap)
+        if not scatters_hide:
+            step.sync_overlap = {k: v for k, v in step.sync_overlap.items() if k != "reduce_scatter"}
+        return step.seconds()
+
+    exposed, hidden = seconds(0.0), seconds(1.0)
+    assert exposed > hidden  # the gathers hide
+    assert hidden == pytest.approx(seconds(1.0, scatters_hide=False), abs=1e-12)
