@@ -102,6 +102,25 @@ def machine() -> dict:
             "platform": platform.platform(), "cpus": os.cpu_count(), "cuda": torch.cuda.is_available()}
 
 
+def run_loaded(job, nproc: int):
+    """``job`` on ``nproc`` local gloo ranks; rank 0's result and the machine's load average before
+    and after (these machines are shared: the load says how much else competed for the cores)."""
+    import os
+
+    from atorch.distributed.local import run_local
+
+    before = os.getloadavg()[0]
+    result = run_local(job, nproc, timeout_s=3600)[0]
+    return result, {"before": before, "after": os.getloadavg()[0], "cpus": os.cpu_count()}
+
+
+def load_note(load: dict | None) -> str:
+    """A results file's first line about the machine's load (:func:`run_loaded`)."""
+    if not load:
+        return ""
+    return f"Load average {load['before']:.1f} before, {load['after']:.1f} after, on {load['cpus']} cores.\n\n"
+
+
 def write(out: str | Path, payload: dict, markdown: str) -> Path:
     """Write ``out``.json (payload plus machine) and ``out``.md; return the markdown path."""
     out = Path(out)

@@ -23,7 +23,6 @@ its layout) and once in a plain module whose forward loops over an ``nn.ModuleLi
 
 import argparse
 import functools
-import os
 import sys
 from pathlib import Path
 
@@ -110,8 +109,7 @@ def report_traced(rows: list[dict], args) -> str:
     body = [[r["microbatches"], harness.fmt_ms(r["layout"]["median"]), harness.fmt_ms(r["traced"]["median"]),
              f"{r['traced_over_layout']:.3f}"] for r in rows]
     load = getattr(args, "load", None)
-    note = (f"Load average {load['before']:.1f} before, {load['after']:.1f} after, on {load['cpus']} cores.\n\n"
-            if load else "")
+    note = harness.load_note(load)
     markdown = note + harness.table(["microbatches", "layout ms (1F1B)", "traced ms (1F1B)", "traced / layout"], body)
     harness.write(args.out, {"nproc": args.nproc, "width": args.width, "layers": args.layers,
                              "microbatch_size": args.micro, "repeats": args.repeats, "steps_per_block": args.steps,
@@ -210,8 +208,7 @@ def report(rows: list[dict], args) -> str:
              f"{r['ratio_interleaved']:.2f} / {r['alone_interleaved']:.2f}", f"{r['theory_interleaved']:.2f}"]
             for r in rows]
     load = getattr(args, "load", None)
-    note = (f"Load average {load['before']:.1f} before, {load['after']:.1f} after, on {load['cpus']} cores.\n\n"
-            if load else "")
+    note = harness.load_note(load)
     markdown = note + harness.table(["microbatches", "ideal ms (together)", "ideal ms (alone)", "1F1B ms",
                               "1F1B / ideal (together / alone)", "theory", f"interleaved (v={VIRTUAL}) ms",
                               "interleaved / ideal (together / alone)", "theory"], body)
@@ -242,23 +239,17 @@ def main(argv=None) -> str:
     microbatches = [int(m) for m in args.microbatches.split(",") if m]
     if args.layers < VIRTUAL * args.nproc:
         parser.error(f"--layers must be at least {VIRTUAL * args.nproc} to give every interleaved stage a block")
-    from atorch.distributed.local import run_local
 
     if args.traced:
         if args.out == str(harness.RESULTS / "pipeline_bubble"):
             args.out = str(harness.RESULTS / "pipeline_traced")
         job = functools.partial(run_traced, microbatches, args.width, args.layers, args.micro, args.repeats, args.steps)
-        load_before = os.getloadavg()[0]
-        rows = run_local(job, args.nproc, timeout_s=3600)[0]
-        args.load = {"before": load_before, "after": os.getloadavg()[0], "cpus": os.cpu_count()}
+        rows, args.load = harness.run_loaded(job, args.nproc)
         markdown = report_traced(rows, args)
         print(markdown)
         return markdown
     job = functools.partial(run, microbatches, args.width, args.layers, args.micro, args.repeats, args.steps)
-    load_before = os.getloadavg()[0]
-    rows = run_local(job, args.nproc, timeout_s=3600)[0]
-    # These machines are shared: the load says how much else competed for the cores.
-    args.load = {"before": load_before, "after": os.getloadavg()[0], "cpus": os.cpu_count()}
+    rows, args.load = harness.run_loaded(job, args.nproc)
     markdown = report(rows, args)
     print(markdown)
     return markdown

@@ -13,7 +13,6 @@ when they start differs. Writes JSON and a markdown table to benchmarks/results/
 
 import argparse
 import functools
-import os
 import sys
 from pathlib import Path
 
@@ -64,8 +63,7 @@ def report(rows: list[dict], args) -> str:
     body = [[r["width"], r["tensors"], harness.fmt_ms(r["after"]["median"]), harness.fmt_ms(r["inside"]["median"]),
              f"{r['inside_over_after']:.3f}"] for r in rows]
     load = args.load
-    note = f"Load average {load['before']:.1f} before, {load['after']:.1f} after, on {load['cpus']} cores.\n\n"
-    markdown = note + harness.table(["width", "parameter tensors", "after the schedule ms", "inside the schedule ms",
+    markdown = harness.load_note(load) + harness.table(["width", "parameter tensors", "after the schedule ms", "inside the schedule ms",
                                      "inside / after"], body)
     harness.write(args.out, {"pipeline": args.pipeline, "data": args.data, "layers": args.layers,
                              "microbatches": args.microbatches, "microbatch_size": args.micro,
@@ -90,13 +88,9 @@ def main(argv=None) -> str:
     if args.tiny:
         args.widths, args.layers, args.microbatches, args.micro, args.repeats, args.steps = "8", 4, 2, 2, 1, 1
     widths = [int(w) for w in args.widths.split(",") if w]
-    from atorch.distributed.local import run_local
-
     job = functools.partial(run, widths, args.layers, args.micro, args.microbatches, args.pipeline, args.data,
                             args.repeats, args.steps)
-    before = os.getloadavg()[0]
-    rows = run_local(job, args.pipeline * args.data, timeout_s=3600)[0]
-    args.load = {"before": before, "after": os.getloadavg()[0], "cpus": os.cpu_count()}
+    rows, args.load = harness.run_loaded(job, args.pipeline * args.data)
     markdown = report(rows, args)
     print(markdown)
     return markdown

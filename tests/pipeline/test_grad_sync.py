@@ -115,3 +115,22 @@ def test_a_tie_held_twice_on_a_rank_is_summed_once_after_the_schedule(four_ranks
 def test_the_benchmark_times_both_sums(four_ranks):
     (row,) = four_ranks[0]["bench"]
     assert row["after"]["median"] > 0 and row["inside"]["median"] > 0 and row["inside_over_after"] > 0
+
+
+@pytest.mark.parametrize("run", [r for r in RUNS if r[2] is None], ids=lambda r: f"{r[0]}-v{r[1]}")
+def test_the_cost_charges_the_collectives_the_sum_makes(four_ranks, run):
+    """The cost model's data-parallel sync of the same pipeline: the busiest rank's collectives
+    and bytes, as counted (less the step's loss totals, charged apart)."""
+    from atorch.auto.plan import resolve_strategy
+    from atorch.auto.search.cost import build_cost
+    from atorch.auto.strategy import Strategy
+
+    model = chain_model(LAYERS)
+    strategy = resolve_strategy(model, Strategy([
+        ("parallel_mode", ([("pipeline", 2), ("data", 2)], None)),
+        ("pipeline_parallel", {"num_microbatches": 4, "schedule": run[0], "virtual_pipeline_size": run[1]})]))
+    cost = build_cost(model, strategy, {"pipeline": 2, "data": 2}, 2.0, 0, 1e6, 4)
+    (kind, payload, calls), = cost.data_sync_collectives()
+    counted = max((rank[run]["data"]["all_reduce"] for rank in four_ranks), key=lambda c: c[1])
+    assert (kind, calls) == ("all_reduce", counted[0] - 1)
+    assert payload == pytest.approx(counted[1] - 24, rel=0.01)
