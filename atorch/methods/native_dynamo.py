@@ -86,10 +86,19 @@ TRACED_PIPELINE = ("native_dynamo cannot compile a pipeline split by tracing: it
                    "native_dynamo out")
 
 
+def compiled_parts(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """What is compiled: a pipeline's stage modules, whose forward is all of its compute (the
+    schedule around them stays eager; traced by dynamo, its per-microbatch bookkeeping recompiled
+    once per microbatch up to dynamo's limit), or else the model."""
+    stages = getattr(model, "stage_modules", None)
+    return list(stages) if stages is not None and len(stages) else [model]
+
+
 def compile_model(ctx: ModelContext, config: NativeDynamoConfig) -> None:
     if getattr(ctx.model, "traced", False):
         raise NotSupportedError(TRACED_PIPELINE)
-    ctx.model.compile(backend=config.backend, mode=config.mode, fullgraph=config.fullgraph, dynamic=config.dynamic)
+    for part in compiled_parts(ctx.model):
+        part.compile(backend=config.backend, mode=config.mode, fullgraph=config.fullgraph, dynamic=config.dynamic)
 
 
 register_method(

@@ -42,3 +42,33 @@ def test_inductor_on_this_cpu_matches_eager_and_is_in_the_search_space(monkeypat
     assert_losses_close(compiled["losses"], reference["losses"], 1e-4)
     spec = get_method("native_dynamo")
     assert spec.tried_on_pick and spec.search_space == ({},) and spec.config_cls().backend == "inductor"
+
+
+def _compiled_pipeline() -> dict:
+    import atorch
+    from tests.pipeline.models import BATCH, LR, ChainData, chain_loss, chain_model
+
+    strategy = [("parallel_mode", ([("pipeline", 2)], None)), ("pipeline_parallel", {"num_microbatches": 4}),
+                ("native_dynamo", {"backend": "aot_eager"})]
+    _, result, _ = auto_accelerate(chain_model(), torch.optim.SGD, ChainData(), chain_loss, optim_args={"lr": LR},
+                                   dataloader_args={"batch_size": BATCH}, model_input_format="unpack_dict",
+                                   load_strategy=strategy)
+    losses, data = [], iter(result.dataloader)
+    for _ in range(5):
+        batch = result.prepare_input(next(data), atorch.device())
+        losses.append(float(result.loss_func(batch, result.model(**batch))))
+        result.optim.step()
+        result.optim.zero_grad()
+    return {"losses": losses, "pipeline_compiled": result.model._compiled_call_impl is not None,
+            "stages_compiled": [m._compiled_call_impl is not None for m in result.model.stage_modules]}
+
+
+def test_a_pipeline_compiles_its_stages_and_leaves_the_schedule_eager():
+    """Compiling the PipelineModel itself had dynamo trace the schedule around the stages, and
+    recompile its per-microbatch bookkeeping once a microbatch; a tiny Llama on 2 stages ran 0.94
+    of eager's step so (0.78 with the stages compiled), after a 44 s compile (36 s)."""
+    from tests.pipeline.models import serial_losses
+
+    for rank in run_distributed(_compiled_pipeline, 2):
+        assert rank["stages_compiled"] == [True] and not rank["pipeline_compiled"]
+        assert_losses_close(rank["losses"], serial_losses(), FP32_RTOL)
