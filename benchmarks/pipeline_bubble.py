@@ -46,20 +46,24 @@ def _loss(batch, output):
     return output.square().mean()
 
 
+def sgd_step(model, inputs: dict):
+    """One training step of a pipelined chain on ``inputs`` (SGD over the rank's parameters)."""
+    optim = torch.optim.SGD(model.local_parameters(), lr=1e-4)
+
+    def step():
+        model.run_train(**inputs)
+        optim.step()
+        optim.zero_grad()
+
+    return step
+
+
 def pipelined_step(schedule: str, virtual: int, width: int, layers: int, micro: int, m: int):
     from atorch.pipeline import PipelineModel
 
     model = PipelineModel(chain(width, layers), num_microbatches=m, virtual_pipeline_size=virtual,
                           auto_partition=True, schedule=schedule, loss_fn=_loss)
-    optim = torch.optim.SGD(model.local_parameters(), lr=1e-4)
-    x = torch.randn(micro * m, width)
-
-    def step():
-        model.run_train(input=x)
-        optim.step()
-        optim.zero_grad()
-
-    return step, model
+    return sgd_step(model, {"input": torch.randn(micro * m, width)}), model
 
 
 class LoopChain(nn.Module):
@@ -81,16 +85,7 @@ def split_step(traced: bool, width: int, layers: int, micro: int, m: int):
 
     module = LoopChain(chain(width, layers)) if traced else chain(width, layers)
     model = PipelineModel(module, num_microbatches=m, auto_partition=True, loss_fn=_loss)
-    optim = torch.optim.SGD(model.local_parameters(), lr=1e-4)
-    x = torch.randn(micro * m, width)
-    name = "x" if traced else "input"
-
-    def step():
-        model.run_train(**{name: x})
-        optim.step()
-        optim.zero_grad()
-
-    return step
+    return sgd_step(model, {"x" if traced else "input": torch.randn(micro * m, width)})
 
 
 def run_traced(microbatches: list[int], width: int, layers: int, micro: int, repeats: int, steps: int) -> list[dict]:

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import harness  # noqa: E402
-from benchmarks.pipeline_bubble import _loss, chain  # noqa: E402
+from benchmarks.pipeline_bubble import _loss, chain, sgd_step  # noqa: E402
 
 
 def _step(width: int, layers: int, micro: int, m: int, pipeline: int, data: int, old: bool):
@@ -34,15 +34,7 @@ def _step(width: int, layers: int, micro: int, m: int, pipeline: int, data: int,
                           topology=topology)
     if old:  # the sum after the schedule, one blocking all-reduce a parameter
         model._sync_for_step = lambda: None
-    optim = torch.optim.SGD(model.local_parameters(), lr=1e-4)
-    x = torch.randn(micro * m, width)
-
-    def step():
-        model.run_train(input=x)
-        optim.step()
-        optim.zero_grad()
-
-    return step
+    return sgd_step(model, {"input": torch.randn(micro * m, width)})
 
 
 def run(widths: list[int], layers: int, micro: int, m: int, pipeline: int, data: int, repeats: int,
