@@ -294,6 +294,8 @@ class PipelineModel(nn.Module):
             # raise now rather than at the groups' timeout (atorch.pipeline.failure).
             self._failed = failure.stop(self._groups(), error, f"rank {dist.get_rank()} (stages "
                                         f"{self.local_stage_ids})", self._steps)
+            if self._grad_sync is not None:  # its hooks, left armed, would sum on the closed group
+                self._grad_sync[1].remove()
             raise PipelineStepError(self._failed) from error
         finally:
             self._in_schedule = False
