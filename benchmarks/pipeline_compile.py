@@ -20,37 +20,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import harness  # noqa: E402
-from benchmarks.workload import MEDIUM, TINY, Tokens, batches, build_llama, loss_func  # noqa: E402
+from benchmarks.workload import MEDIUM, TINY, atorch_step, build_llama  # noqa: E402
 
 SIZES = {"tiny": TINY, "medium": MEDIUM}
 PIPELINE = [("parallel_mode", ([("pipeline", 2)], None)), ("pipeline_parallel", {"num_microbatches": 4})]
 COMPILE = ("native_dynamo", {"backend": "inductor"})
-
-
-def _step(size, load_strategy):
-    import atorch
-
-    status, result, _ = atorch.auto_accelerate(
-        build_llama(size), torch.optim.AdamW, Tokens(size), loss_func, optim_args={"lr": 1e-3},
-        dataloader_args={"batch_size": size.global_batch, "shuffle": True}, model_input_format="unpack_dict",
-        load_strategy=load_strategy)
-    if not status:
-        raise RuntimeError(f"atorch could not apply {load_strategy}")
-    data = batches(result.dataloader)
-
-    def step():  # a pipeline runs its backward inside the call
-        batch = result.prepare_input(next(data), atorch.device())
-        result.loss_func(batch, result.model(**batch))
-        result.optim.step()
-        result.optim.zero_grad()
-
-    return step
 
 
 def run(size_name: str, way: str, repeats: int, steps: int) -> dict:
@@ -61,7 +39,7 @@ def run(size_name: str, way: str, repeats: int, steps: int) -> dict:
         native_dynamo.compiled_parts = lambda model: [model]
     size, variants, warm = SIZES[size_name], {}, {}
     for name, strategy in (("eager", PIPELINE), (way, [*PIPELINE, COMPILE])):
-        variants[name] = _step(size, strategy)
+        variants[name] = atorch_step(build_llama(size), size, strategy)
         began = time.perf_counter()
         variants[name]()
         variants[name]()

@@ -95,7 +95,8 @@ def plain_step(model, optim, loader, autocast_dtype=None):
 
 
 def atorch_step(model, size: Size, load_strategy, lr: float = 1e-3):
-    """auto_accelerate on ``model`` with ``load_strategy``; one step of the documented loop."""
+    """auto_accelerate on ``model`` with ``load_strategy``; one step of the documented loop (a
+    pipeline runs its backward inside the model's call: ``backward_in_forward``)."""
     import atorch
 
     status, result, _ = atorch.auto_accelerate(
@@ -107,13 +108,14 @@ def atorch_step(model, size: Size, load_strategy, lr: float = 1e-3):
         raise RuntimeError(f"atorch could not apply {load_strategy}")
     it = batches(result.dataloader)
     optim_backward = result.args.get("use_optim_backward", False)
+    in_forward = result.args.get("backward_in_forward", False)
 
     def step():
         batch = result.prepare_input(next(it), atorch.device())
         loss = result.loss_func(batch, result.model(**batch))
         if optim_backward:
             result.optim.backward(loss)
-        else:
+        elif not in_forward:
             loss.backward()
         result.optim.step()
         result.optim.zero_grad()
