@@ -18,11 +18,10 @@ from atorch.auto.step_cost import Comm
 from atorch.errors import AtorchConfigError, NotSupportedError
 from atorch.pipeline import pipeline_eligibility
 from atorch.pipeline.auto import PipelineFields, check_fields, pipeline_model, with_stage_microbatches
-from atorch.pipeline.grad_sync import bucket_layout, packed_bytes
+from atorch.pipeline.grad_sync import bucket_layout, packed_bytes, summed_params
 from atorch.pipeline.layouts import layout_for
 from atorch.pipeline.partition import balanced_ranges, ranges_from_cuts
 from atorch.pipeline.schedules import check_schedule
-from atorch.sharding.fsdp2 import held_per_rank
 from atorch.utils.memo import once
 
 
@@ -281,10 +280,8 @@ def _sync_of(*stage_params: list) -> tuple[int, int]:
 
 
 def _trainable(model, names: list[str]) -> list:
-    """The parameters of units ``names`` the data ranks sum (once each, in registration order)."""
-    params = {id(p): p for name in names for p in model.get_submodule(name).parameters()
-              if p.requires_grad and not held_per_rank(p)}
-    return list(params.values())
+    """The parameters of units ``names`` the data ranks sum, as PipelineModel picks them."""
+    return summed_params(model.get_submodule(name) for name in names)
 
 
 def sync_window(schedule: str, stages: int, m: int, v: int, hooked: bool = True) -> float:

@@ -25,9 +25,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from atorch.sharding.fsdp2 import held_per_rank
+
 # Gradients smaller than this are packed together; larger ones are summed alone, in place
 # (DDP packs every gradient into 25 MiB buckets, which doubles the gradients' memory).
 BUCKET_BYTES = 2**20
+
+
+def summed_params(modules) -> list:
+    """The parameters of ``modules`` the data ranks sum, once each in registration order: the
+    trainable ones, less expert_parallel's slices (each rank's own, averaged by their method)."""
+    params = {id(p): p for module in modules for p in module.parameters() if p.requires_grad and not held_per_rank(p)}
+    return list(params.values())
 
 
 def bucket_layout(params: list, bucket_bytes: int = BUCKET_BYTES) -> list[list]:

@@ -8,6 +8,7 @@ holding the end of the model computes the loss.
 """
 
 import contextlib
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +25,7 @@ from atorch.loss.counting import rule_for
 from atorch.parallel_layers.expert_dispatch import average_over_copies
 from atorch.pipeline import failure
 from atorch.pipeline.failure import PipelineStepError
-from atorch.pipeline.grad_sync import BUCKET_BYTES, GradSync
+from atorch.pipeline.grad_sync import BUCKET_BYTES, GradSync, summed_params
 from atorch.pipeline.layouts import layout_for
 from atorch.pipeline.loss import pick_loss, reduce_losses, split_batch
 from atorch.pipeline.partition import balanced_ranges, ranges_from_cuts
@@ -439,7 +440,7 @@ class PipelineModel(nn.Module):
         if self._grad_sync is None or self._grad_sync[0] != tuple(map(id, params)):
             if self._grad_sync is not None:
                 self._grad_sync[1].remove()
-            self._grad_sync = (tuple(map(id, params)), self._new_grad_sync(params))
+            self._grad_sync = (tuple(map(id, params)), self._new_grad_sync())
         sync = self._grad_sync[1]
         for stage in self.stages:
             if isinstance(stage, _Stage):
@@ -447,22 +448,14 @@ class PipelineModel(nn.Module):
         sync.begin()
         return sync
 
-    def _new_grad_sync(self, params: tuple) -> GradSync:
+    def _new_grad_sync(self) -> GradSync:
         """Each local stage's parameters, in the order its units register them; a parameter two
         local stages use (a tied embedding and head on one rank) is summed after the schedule."""
-        trainable = {id(p) for p in params if p.requires_grad and not held_per_rank(p)}
-        users: dict[int, list[int]] = {}
-        by_stage: dict[int, list] = {}
-        for stage in self.local_stage_ids:
-            seen: dict[int, nn.Parameter] = {}
-            for name in self.stage_units[stage]:
-                for param in self._module[0].get_submodule(name).parameters():
-                    if id(param) in trainable:
-                        seen.setdefault(id(param), param)
-            by_stage[stage] = list(seen.values())
-            for key in seen:
-                users.setdefault(key, []).append(stage)
-        shared = {key for key, stages in users.items() if len(stages) > 1}
+        module = self._module[0]
+        by_stage = {stage: summed_params(module.get_submodule(name) for name in self.stage_units[stage])
+                    for stage in self.local_stage_ids}
+        users = Counter(id(p) for params in by_stage.values() for p in params)
+        shared = {key for key, count in users.items() if count > 1}
         late = list({id(p): p for ps in by_stage.values() for p in ps if id(p) in shared}.values())
         stages = {stage: [p for p in ps if id(p) not in shared] for stage, ps in by_stage.items()}
         return GradSync(stages, late, self.topology.data_parallel_group, self.grad_bucket_bytes)
