@@ -105,19 +105,14 @@ class GradSync:
 
     def stage_done(self, stage: int) -> None:
         """``stage``'s last backward has run: start what its backward's hooks did not."""
-        buckets = self.buckets[stage]
-        while self.next.get(stage, 0) < len(buckets):
-            self._start_next(stage)
+        self._start_rest(stage)
         self.early = len(self.started)
 
     def finish(self, factor: float) -> set[int]:
         """Start what is left, wait for every sum, and multiply it by ``factor``; the ids of the
         parameters whose gradients are done."""
-        for stage in self.order:
-            if stage not in self.next:  # never armed (a traced stage)
-                self.next[stage] = 0
-            while self.next[stage] < len(self.buckets[stage]):
-                self._start_next(stage)
+        for stage in self.order:  # those never armed too (a traced model's stages)
+            self._start_rest(stage)
         for bucket in self.late:
             self._start(bucket)
         done: set[int] = set()
@@ -150,6 +145,12 @@ class GradSync:
         while self.next[stage] < len(buckets) and buckets[self.next[stage]].pending <= 0:
             self._start_next(stage)
             self.hooked += 1
+
+    def _start_rest(self, stage: int) -> None:
+        """Start ``stage``'s buckets not started yet, in order."""
+        self.next.setdefault(stage, 0)
+        while self.next[stage] < len(self.buckets[stage]):
+            self._start_next(stage)
 
     def _start_next(self, stage: int) -> None:
         self._start(self.buckets[stage][self.next[stage]])
