@@ -51,6 +51,11 @@ def _four_ranks() -> dict:
 
     topology = Topology.build([("pipeline", 2), ("data", 2)])
     out = {run: _run(*run, topology) for run in RUNS}
+    from tests.loss import jobs
+
+    torch.manual_seed(0)
+    out["padded"] = jobs.train([("parallel_mode", {"dims": [("pipeline", 2), ("data", 2)]}),
+                                ("pipeline_parallel", {"num_microbatches": 2})], mask=True)
     from benchmarks.pipeline_grad_sync import run  # the benchmark's measurement on toy sizes
 
     out["bench"] = run([8], layers=4, micro=2, m=2, pipeline=2, data=2, repeats=1, steps=1)
@@ -134,3 +139,16 @@ def test_the_cost_charges_the_collectives_the_sum_makes(four_ranks, run):
     counted = max((rank[run]["data"]["all_reduce"] for rank in four_ranks), key=lambda c: c[1])
     assert (kind, calls) == ("all_reduce", counted[0] - 1)
     assert payload == pytest.approx(counted[1] - 24, rel=0.01)
+
+
+def test_right_padded_batches_train_as_the_whole_batch(four_ranks):
+    """A tiny Llama on right-padded batches (2 to 16 label tokens a sequence), pipeline 2 x data 2,
+    3 SGD steps: every step's loss is the whole global batch's token mean, as the serial run's
+    (tests/loss/test_exact.py's bound)."""
+    from tests.loss import jobs
+    from tests.loss.test_exact import LOSS_RTOL, gaps
+
+    reference = jobs.serial(mask=True)
+    for rank in four_ranks:
+        loss_gap, _ = gaps(rank["padded"], reference)
+        assert loss_gap <= LOSS_RTOL, loss_gap
