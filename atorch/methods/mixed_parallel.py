@@ -33,7 +33,7 @@ from atorch.methods.pipeline_parallel import layouts as pipeline_layouts
 from atorch.methods.tensor_parallel import shard_plan, tensor_activations, tensor_ineligible, tensor_terms
 from atorch.parallel_layers.auto_shard import ShardingError, shard_model
 from atorch.pipeline.auto import PipelineFields, check_fields, pipeline_model, with_stage_microbatches
-from atorch.pipeline.layouts import layout_for
+from atorch.pipeline.layouts import is_decoder_lm, layout_for
 from atorch.utils.memo import once
 from atorch.utils.modules import first_block
 
@@ -84,9 +84,8 @@ def sequence_problem(model: torch.nn.Module, tensor: int) -> str | None:
 
 def _sequence_problem(model: torch.nn.Module, tensor: int) -> str | None:
     from atorch.parallel_layers.auto_shard import sequence_parallel_problem
-    from atorch.pipeline.layouts import DecoderLMLayout
 
-    if not isinstance(layout_for(model), DecoderLMLayout):
+    if not is_decoder_lm(model):
         return (f"{type(model).__name__} is not a Llama-style decoder LM (embed_tokens, layers, norm, lm_head), the "
                 "only stages sequence parallelism runs in")
     return tensor_ineligible(model, tensor) or sequence_parallel_problem(model, shard_plan(model, tensor))
@@ -134,17 +133,11 @@ def layouts(world_size: int, model=None) -> list[tuple[dict[str, int], dict]]:
     # tensor x pipeline, both above 1 (one of them alone is tensor_parallel or pipeline_parallel);
     # microbatches and virtual stages (interleaved 1F1B) as for pipeline_parallel; each with and
     # without sequence parallelism on a Llama-style decoder (the only one it runs on)
-    sequence = [False, True] if model is not None and _decoder(model) else [False]
+    sequence = [False, True] if model is not None and is_decoder_lm(model) else [False]
     return [({"tensor": t, **dims}, {"tensor_size": t, "pipeline_size": dims["pipeline"], **config,
                                      **({"sequence_parallel": True} if sp else {})})
             for t in divisors(world_size) for dims, config in pipeline_layouts(world_size // t, model)
             for sp in sequence]
-
-
-def _decoder(model) -> bool:
-    from atorch.pipeline.layouts import DecoderLMLayout
-
-    return DecoderLMLayout.matches(model)
 
 
 def ineligible(model: torch.nn.Module, config: MixedParallelConfig, job: LayoutJob) -> str | None:

@@ -224,6 +224,14 @@ register_layout(lambda m: isinstance(m, nn.Sequential), SequentialLayout)
 register_layout(DecoderLMLayout.matches, lambda m, names: DecoderLMLayout(m))
 
 
+def is_decoder_lm(model: nn.Module) -> bool:
+    """Whether :func:`layout_for` splits ``model`` as a Llama-style decoder LM (DecoderLMLayout is
+    the first registered layout that matches it), without building the layout: the one answer for
+    every caller that asks (mixed_parallel's sequence parallelism runs only there)."""
+    matches = next((matches for matches, _ in _LAYOUTS if matches(model)), None)
+    return matches is DecoderLMLayout.matches
+
+
 def layout_for(model: nn.Module, input_names: list[str] | None = None, layer_cls: type | None = None,
                leaf_cls: list | tuple | None = None) -> Layout:
     """How PipelineModel splits ``model``: a registered layout where one matches (the fast path),

@@ -50,6 +50,8 @@ VARIANTS = {
     "sequence_parallel": [("tensor_parallel", {}), ("sequence_parallel", {})],
     "pipeline_parallel": ("pipeline_parallel", {"num_microbatches": 2}),
     "mixed_parallel": ("mixed_parallel", {"num_microbatches": 2}),
+    # Megatron's sequence parallelism inside the stages (tensor 2; pipeline 2 from 4 ranks on)
+    "mixed_parallel_sp": ("mixed_parallel", {"num_microbatches": 2, "tensor_size": 2, "sequence_parallel": True}),
     "ds_3d_parallel": ("ds_3d_parallel", {"num_microbatches": 2}),
     "genomic_bottleneck": ("genomic_bottleneck", {"min_numel": 1024, "tile_size": 16, "lr": 1e-2}),
     # its cases train the tiny Mixtral (4 experts, top-2) instead of the Llama: see tiny_model

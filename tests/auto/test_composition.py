@@ -143,7 +143,7 @@ DEFAULT_PAIRS = [
     ("amp_native", "zero2"), ("amp_native", "zero2_fairscale"), ("amp_native", "zero2_ds"),
     ("amp_native", "zero1_ds"), ("amp_native", "fsdp"), ("amp_native", "tensor_parallel"),
     ("amp_native", "sequence_parallel"), ("amp_native", "pipeline_parallel"),
-    ("amp_native", "mixed_parallel"), ("amp_native", "genomic_bottleneck"),
+    ("amp_native", "mixed_parallel"), ("amp_native", "mixed_parallel_sp"), ("amp_native", "genomic_bottleneck"),
     ("half", "fsdp"), ("half", "zero1"),
     ("checkpoint", "fsdp"), ("checkpoint", "tensor_parallel"), ("checkpoint", "ds_3d_parallel"),
     ("native_dynamo", "tensor_parallel"),
@@ -235,6 +235,22 @@ def test_representative_compositions_on_4_ranks():
     assert ("tensor_parallel", "expert_parallel") in cases  # attention over tensor, experts over data ranks
     results = run_distributed(C.run_cases, 4, cases, 4, timeout_s=600)
     problems = check(results[0], 4)
+    assert not problems, "\n\n".join(problems)
+
+
+# The 70B plan's methods (docs/plans/llama_layouts.md): tensor 2 x pipeline 2 x data 2 with sequence
+# parallelism inside the stages, zero1 over each stage's data ranks, bf16 autocast, selective
+# checkpointing; and the grid with zero1 alone. A world of 4 leaves zero1 no data rank beside them.
+GRID_CASES = [("mixed_parallel_sp", "zero1", "amp_native", "checkpoint_selective"), ("mixed_parallel_sp", "zero1")]
+
+
+@pytest.mark.slow  # 8 processes on 2 cores: 43 s
+@pytest.mark.timeout(900)
+def test_the_70b_plans_methods_on_the_whole_8_rank_grid():
+    cases = runnable(8, GRID_CASES)
+    assert cases == GRID_CASES
+    results = run_distributed(C.run_cases, 8, cases, 8, timeout_s=800)
+    problems = check(results[0], 8)
     assert not problems, "\n\n".join(problems)
 
 

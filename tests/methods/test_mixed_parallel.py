@@ -66,3 +66,27 @@ def _serial_first_norm() -> float:
     ids = torch.stack([data[i]["input_ids"] for i in range(8)])
     model(input_ids=ids, labels=ids).loss.backward()
     return torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item()
+
+
+def test_sequence_parallelism_is_offered_and_checked_where_the_pipeline_splits_a_decoder():
+    """The search's layouts and the sequence check ask one question, is_decoder_lm: the layout
+    PipelineModel would split the model with. A layout registered ahead of DecoderLMLayout for a
+    Llama takes it from both (they asked it two ways before and could differ)."""
+    pytest.importorskip("transformers")
+    from atorch.methods.mixed_parallel import layouts, sequence_problem
+    from atorch.pipeline import layouts as registry
+    from atorch.pipeline.layouts import DecoderLMLayout, is_decoder_lm
+    from tests.helpers.hf import tiny_llama
+
+    model = tiny_llama()
+    assert is_decoder_lm(model) and sequence_problem(model, 2) is None
+    assert any(config.get("sequence_parallel") for _, config in layouts(4, model))
+    entry = (lambda m: m is model, lambda m, names: DecoderLMLayout(m))  # another layout claims it first
+    registry.register_layout(*entry)
+    try:
+        assert not is_decoder_lm(model)
+        assert "not a Llama-style decoder LM" in sequence_problem(model, 2)
+        assert not any(config.get("sequence_parallel") for _, config in layouts(4, model))
+    finally:
+        registry._LAYOUTS.remove(entry)
+    assert is_decoder_lm(model)
