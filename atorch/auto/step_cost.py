@@ -204,10 +204,14 @@ class StepCost:
     # accumulated gradients), alive at every moment; 0: they accumulate in place (DDP's .grad),
     # so every moment holds the rank's whole gradient term
     accumulated_grads: float = 0.0
-    # bytes moved over the data-parallel group per step, as multiples of the rank's model piece's
-    # parameter and gradient bytes ({"grads": 2}: an all-reduce); a ring over n ranks moves
-    # (n-1)/n of that per rank
+    # how often a step's data-parallel sync moves the rank's model piece: "params", gathers (or
+    # broadcasts) of its parameters; "grads", reductions of its gradients, each a ``grad_reduce``.
+    # (Until 2026-11-29 "grads" 2 meant an all-reduce and 1 a reduce-scatter, so fsdp's reduce-
+    # scatter every micro-batch, "grads" = the micro-batches, was costed as one all-reduce a step.)
     data_sync: dict = field(default_factory=dict)
+    # the collective that reduces the gradients: DDP and zero1 all-reduce them, zero2 and fsdp
+    # reduce-scatter them
+    grad_reduce: str = "all_reduce"
     # share of the rank's model piece it holds apart from the data-parallel ranks: slices each rank
     # holds its own of (expert_parallel's experts), neither sharded by a sharding method nor synced
     # by the data-parallel sync (their method charges its own communication)
@@ -456,16 +460,15 @@ class StepCost:
     def data_sync_collectives(self) -> list[tuple[str, float, float]]:
         """The data-parallel sync per step as ``(kind, payload bytes, collectives)``: the tensors
         handed to the collectives (an all-gather's whole output), summed over the step. Parameters
-        are gathered (or broadcast) ``data_sync["params"]`` times; gradients all-reduced
-        (``data_sync["grads"]`` 2: the ring moves them twice) or reduce-scattered (1)."""
+        are gathered (or broadcast) ``data_sync["params"]`` times, gradients reduced
+        ``data_sync["grads"]`` times by a ``grad_reduce``."""
         if self.dp_size <= 1:
             return []
         synced = self.weight_scale * self.split * self.stage_share * (1 - self.held_apart)
         piece, trainable = self.param_bytes() * synced, self.param_bytes(True) * synced
         grads, params = self.data_sync.get("grads", 0), self.data_sync.get("params", 0)
         out = []
-        for kind, payload, times in (("all_gather", piece, params),
-                                     ("all_reduce" if grads >= 2 else "reduce_scatter", trainable, min(grads, 1))):
+        for kind, payload, times in (("all_gather", piece, params), (self.grad_reduce, trainable, grads)):
             if times:
                 payload *= self.sync_share.get(kind, 1.0)
                 out.append((kind, payload * times, self._calls(kind, payload)))

@@ -179,6 +179,7 @@ def cost_term(config: FsdpConfig, cost) -> None:
     cost.reduce_temp = max(root, unit) * (1 + share / low)
     # all-gather in forward and again in backward (once when kept whole), reduce-scatter
     cost.data_sync = {"params": 2 if config.reshard_after_forward else 1, "grads": 1}
+    cost.grad_reduce = "reduce_scatter"
     # gathered in the policy's param_dtype (amp's dtype under amp), reduced in its reduce_dtype
     # (fp32 under amp; param_dtype when only that is set)
     cost.sync_share = {"all_gather": low, "reduce_scatter": share}

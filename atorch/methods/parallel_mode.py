@@ -80,7 +80,7 @@ DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
 def cost_term(config: ParallelModeConfig, cost) -> None:
     # DDP all-reduces the gradients over the data ranks, one bucket (bucket_cap_mb, 25 MiB) per
     # collective; a sharding method replaces this sync.
-    cost.data_sync = {"grads": 2}
+    cost.data_sync, cost.grad_reduce = {"grads": 1}, "all_reduce"
     cost.sync_calls = {"bucket_bytes": DDP_BUCKET_BYTES}
     cost.sync_overlap = {"all_reduce": ("backward",)}  # a bucket's all-reduce starts when backward fills it
     # DDP reduces the gradients through buckets of its own, allocated with it: a copy of the

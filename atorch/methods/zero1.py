@@ -112,7 +112,8 @@ def cost_term(config: Zero1Config, cost) -> None:
         cost.step_temp = cost.stepped  # foreach kernels over the shard's parameters (local_step.py)
     else:
         zero_memory_terms(cost, merged(config))
-    cost.data_sync = {"grads": 2, "params": 1}  # all-reduce gradients, broadcast updated parameters
+    # all-reduce gradients, broadcast updated parameters
+    cost.data_sync, cost.grad_reduce = {"grads": 1, "params": 1}, "all_reduce"
     if pipelined:  # the pipeline's blocking all-reduce a parameter stays; the broadcasts follow the step
         cost.sync_calls = {**cost.sync_calls, "all_gather": cost.dp_size}
         return

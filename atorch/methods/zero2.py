@@ -125,7 +125,8 @@ def _unsupported(device_ctx, config: Zero2Config) -> str | None:
 def cost_term(config: Zero2Config, cost) -> None:
     cost.shard_over_data(params=False, grads=True, optim=True)
     cost.grad_buckets = False  # it replaces DDP
-    cost.data_sync = {"grads": 1, "params": 1}  # reduce-scatter gradients, all-gather updated parameters
+    # reduce-scatter gradients, all-gather updated parameters
+    cost.data_sync, cost.grad_reduce = {"grads": 1, "params": 1}, "reduce_scatter"
     # every backend reduces gradients as backward makes them; the updated parameters are gathered
     # after the step (DeepSpeed, fairscale) or unit by unit ahead of its forward (FSDP2)
     cost.sync_overlap = {"reduce_scatter": ("backward",)}

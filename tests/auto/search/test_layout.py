@@ -157,7 +157,7 @@ def test_layout_methods_contribute_their_own_memory_and_time_terms():
     assert pipe[2].forward_flops * pipe[2].passes * pipe[2].compute_share * 1.5 == pytest.approx(
         pipe[4].forward_flops * pipe[4].passes * pipe[4].compute_share * 1.5)
     # the data layout all-reduces its gradients; the tensor layout has no data ranks to do so
-    assert data.data_sync == {"grads": 2} and data.seconds() > data.forward_flops * 3 / 5e10
+    assert (data.data_sync, data.grad_reduce) == ({"grads": 1}, "all_reduce") and data.seconds() > data.forward_flops * 3 / 5e10
     assert tensor.seconds() > tensor.forward_flops * 3 * tensor.compute_share / 5e10
 
 
