@@ -194,13 +194,14 @@ def cost_term(config: FsdpConfig, cost) -> None:
                      lambda: fsdp2.choose_units(cost.model, config.atorch_wrap_cls, config.atorch_size_based_min_num_params,
                                                 config.atorch_ignored_cls, config.wrap_trainable_outmost))
         pipeline_sync(cost, names, config.reshard_after_forward)
-    # it replaces DDP: its own host overhead, calibrated, per collective its hooks issue
-    cost.overheads.pop("parallel_mode", None)
-    if cost.dp_size > 1:
-        cost.charge("fsdp", sum(cost.sync_calls.values()))
     # the next unit is gathered while this one computes; gradients reduced as backward makes them
     cost.sync_overlap = {"all_gather": ("forward", "backward"), "reduce_scatter": ("backward",)}
     accumulation_terms(cost, share, config.reduce_every_micro_batch)
+    # it replaces DDP: its own host overhead, calibrated, per collective its hooks issue in a step
+    # (every micro-batch's: charged before the accumulation's, a step of 4 had 15 of its 45)
+    cost.overheads.pop("parallel_mode", None)
+    if cost.dp_size > 1:
+        cost.charge("fsdp", sum(cost.sync_calls.values()))
     if config.cpu_offload and cost.device_type == "cuda":
         offload_terms(cost, config.reduce_every_micro_batch)
 

@@ -50,8 +50,8 @@ def test_the_cost_term_charges_a_reduce_scatter_every_micro_batch():
     from atorch.auto.strategy import Strategy
     from tests.helpers.hf import SEQ, tiny_llama
 
-    counted = {name: run_distributed(_traffic, 2, fsdp)[0]["data"]["reduce_scatter"]
-               for name, fsdp in (("once", "fsdp"), ("every", EVERY))}
+    seen = {name: run_distributed(_traffic, 2, fsdp)[0]["data"] for name, fsdp in (("once", "fsdp"), ("every", EVERY))}
+    counted = {name: data["reduce_scatter"] for name, data in seen.items()}
     assert counted["every"][0] == 2 * counted["once"][0], counted
     with torch.device("meta"):
         model = tiny_llama()
@@ -61,6 +61,9 @@ def test_the_cost_term_charges_a_reduce_scatter_every_micro_batch():
         cost = build_cost(model, strategy, {"data": 2}, 2.0, 0, 1e9, 8 // 2 * SEQ, accumulation=2)
         charged[name] = {kind: (calls, payload) for kind, payload, calls in cost.data_sync_collectives()}
         memory[name] = cost.memory().total
+        # its host overhead: one unit per collective its hooks issue in the step, every micro-batch's
+        issued = seen[name]["all_gather"][0] + seen[name]["reduce_scatter"][0]
+        assert cost.overheads["fsdp"][0] == issued, (name, cost.overheads, seen[name])
     for name in ("once", "every"):
         assert "all_reduce" not in charged[name], charged
         calls, payload = charged[name]["reduce_scatter"]
