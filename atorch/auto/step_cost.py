@@ -75,6 +75,10 @@ class Comm:
     # bytes an element, where they do not follow the compute dtype (fp32 weights and gradients
     # gathered or reduced under amp); None: the compute dtype's
     element_bytes: int | None = None
+    # the elements are a decoder's residual stream (a pipeline stage's hidden states): in the
+    # weights' dtype, which autocast leaves it in (a Hugging Face Llama's stages hand each other
+    # fp32 under bf16 autocast), whatever the compute dtype
+    stream: bool = False
 
 
 @dataclass
@@ -286,6 +290,16 @@ class StepCost:
         """Elements of the model's parameters (at least 1)."""
         return once(("param_numel", id(self.model)), lambda: max(sum(p.numel() for p in self.model.parameters()), 1))
 
+    def comm_element_bytes(self, comm: Comm) -> float:
+        """Bytes an element of ``comm`` moves, once every term has run (amp_native and half come
+        after the layout methods that add the comms): its own width, the weights' dtype for a
+        residual stream, else the compute dtype's."""
+        if comm.element_bytes:
+            return comm.element_bytes
+        if comm.stream:
+            return self.element_bytes()
+        return 2 if self.compute_dtype == "half" else 4
+
     def element_bytes(self) -> float:
         """Bytes per parameter element as the methods so far leave the weights (half: 2)."""
         return self.param_bytes() * self.weight_scale / self.param_numel()
@@ -391,12 +405,11 @@ class StepCost:
         for kind, payload, calls in self.loss_count_collectives():  # blocking, before the backward: not hidden
             bandwidth, latency = self._link(DATA_PARALLEL_DIMS, kind)
             comm += payload * 2 * (dp - 1) / dp / bandwidth + latency * calls
-        element = 2 if self.compute_dtype == "half" else 4
         for c in self.comms:
             if self.size(c.dim) > 1:
                 bandwidth, latency = self._link((c.dim,), c.kind)
                 elements = c.elements * (self.accumulation if c.each_micro_batch else 1)
-                comm += elements * (c.element_bytes or element) * c.factor / bandwidth + c.messages * self.accumulation * latency
+                comm += elements * self.comm_element_bytes(c) * c.factor / bandwidth + c.messages * self.accumulation * latency
         if self.host_transfer and self.profile is not None and self.profile.host_link_bandwidth:
             comm += self.host_transfer / self.profile.host_link_bandwidth  # not overlapped: a bound from above
         return compute * self.bubble_factor() + comm + self.stepped * self.optimizer_rate() + (0.0 if on_device

@@ -262,11 +262,12 @@ def cost_term(config: ExpertParallelConfig, cost) -> None:
     leaving = (size - 1) / size
     blocks = len(found)
     # fsdp under amp hands each block bf16 inputs (its mixed-precision policy casts them): the
-    # dispatched hidden states are 2-byte; under autocast alone they stay fp32 (Comm's width)
+    # dispatched hidden states are 2-byte; under autocast alone they stay in the weights' dtype,
+    # the residual stream's (``stream``: read once amp_native's and half's terms have run, after this one)
     fsdp2 = bool(set(SHARDERS) & set(cost.methods))
-    width = 0.5 if fsdp2 and "amp_native" in cost.methods and cost.compute_dtype != "half" else 1.0
+    width = 0.5 if fsdp2 and "amp_native" in cost.methods and "half" not in cost.methods else 1.0
     cost.comms.append(Comm("data", 4 * blocks * cost.tokens * choices * hidden * leaving * width, 6 * blocks,
-                           kind="send_recv", method="expert_parallel"))
+                           kind="send_recv", method="expert_parallel", stream=True))
     # the busiest rank's excess, per micro-batch once accumulation and microbatches are known
     cost.expert_imbalance = (blocks * cost.tokens * choices * _pair_flops(found), cost.tokens * choices, size)
     copies = cost.dp_size // size
@@ -289,22 +290,22 @@ def _copies_sync(cost, found: dict, routed: int, size: int, copies: int, fsdp2: 
     FSDP's dtypes), else one all-reduce a weight of the rank's experts' gradients."""
     from atorch.auto.step_cost import Comm
 
-    element = 2 if cost.compute_dtype == "half" else 4  # Comm's unit: elements of this width
-    local = routed * cost.weight_scale / size
+    local = routed * cost.weight_scale / size  # bytes: the Comms below count bytes (element_bytes=1)
     units = sum(len(m) // size if isinstance(m, torch.nn.ModuleList) else 1 for m in found.values())
     if not fsdp2:  # one all-reduce per weight of the slice: 2 a fused block, each local expert's own
         weights = sum(len(list(m[0].parameters())) * len(m) // size if isinstance(m, torch.nn.ModuleList)
                       else len(list(m.parameters(recurse=False))) for m in found.values())
-        cost.comms.append(Comm("data", local / element, weights, factor=2 * (copies - 1) / copies,
-                               method="expert_parallel"))
+        cost.comms.append(Comm("data", local, weights, factor=2 * (copies - 1) / copies, method="expert_parallel",
+                               element_bytes=1))
         return
     cost.apart_copies = copies
     amp = "amp_native" in cost.methods
     gathered = local * (min(1.0, 2 / cost.element_bytes()) if amp else 1.0)  # gathered in amp's 2 bytes
     leaving = (copies - 1) / copies
     gathers = 2 if "fsdp" in cost.methods else 1  # fsdp regathers for backward (reshard_after_forward); zero2 keeps
-    cost.comms.append(Comm("data", gathers * gathered / element, gathers * units, factor=leaving, kind="all_gather"))
-    cost.comms.append(Comm("data", local / element, units, factor=leaving, kind="reduce_scatter"))
+    cost.comms.append(Comm("data", gathers * gathered, gathers * units, factor=leaving, kind="all_gather",
+                           element_bytes=1))
+    cost.comms.append(Comm("data", local, units, factor=leaving, kind="reduce_scatter", element_bytes=1))
 
 
 def _choices(model: torch.nn.Module) -> int:

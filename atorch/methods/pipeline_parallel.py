@@ -378,7 +378,7 @@ def pipeline_terms(cost, config: PipelineFields, stages: int, grad_sync: bool = 
     # tensor=2 x pipeline=2 with 2 virtual stages and 2 microbatches, 16 against 8 for a middle
     # rank of pipeline=4 with 4.
     hops = 4 * v - (2 if stages == 2 else 0)
-    cost.comms.append(Comm("pipeline", hops * cost.tokens * width, hops * m, kind="send_recv"))
+    cost.comms.append(Comm("pipeline", hops * cost.tokens * width, hops * m, kind="send_recv", stream=True))
     # the schedule's host overhead, calibrated per stage-microbatch a rank runs (its forward and
     # backward actions, their sends and the schedule's Python): charged per send, pipeline=4 was
     # estimated at 3x its measured step on search_quality's small Llama

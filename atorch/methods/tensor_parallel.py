@@ -243,14 +243,30 @@ def tensor_terms(cost, tensor: int, sequence_parallel: bool = False, activations
     recomputed = set()
     if "checkpoint" in cost.methods:
         recomputed = once(("recomputed rows", id(cost.model), tensor), lambda: _recomputed_rows(cost.model, plan))
-    reduced, gathered = once(("tensor traffic", id(cost.model), tensor, len(recomputed)),
-                             lambda: _tensor_traffic(plan, modules, recomputed))
+    reduced, gathered, rows = once(("tensor traffic", id(cost.model), tensor, len(recomputed)),
+                                   lambda: _tensor_traffic(plan, modules, recomputed))
     # Within one pipeline stage (mixed_parallel), a rank runs only its stage's layers.
     for kind, (width, calls), factor in (("all_reduce", reduced, 2 * (tensor - 1) / tensor),
                                          ("all_gather", gathered, (tensor - 1) / tensor)):
         if calls:
-            cost.comms.append(Comm("tensor", cost.tokens * width * cost.stage_share,
-                                   max(1, round(calls * cost.stage_share)), factor, kind, "tensor_parallel"))
+            # the gathers are the head's logits, a matmul's output: all in the compute dtype
+            _append_split(cost, kind, factor, (width, calls), rows if kind == "all_reduce" else (width, calls))
+
+
+def _append_split(cost, kind: str, factor: float, whole: tuple, computed: tuple) -> None:
+    """The tensor collectives of ``kind`` a rank makes, ``whole`` = (width per token, calls), as
+    two Comms: the ``computed`` part of them (the row-parallel outputs, made by a matmul: the
+    compute dtype's width) and the rest, the residual stream's (the embedding's output, the
+    column layers' input gradients, the sequence gathered from a norm: the weights' dtype, fp32
+    under autocast; counted on 4 gloo ranks, tests/methods/test_mixed_parallel_virtual.py). The
+    calls are rounded once, as a stage's share of them."""
+    share = cost.stage_share
+    calls = max(1, round(whole[1] * share))
+    own = min(calls, round(computed[1] * share))
+    for width, messages, stream in ((computed[0], own, False), (whole[0] - computed[0], calls - own, True)):
+        if width or messages:
+            cost.comms.append(Comm("tensor", cost.tokens * width * share, messages, factor, kind, "tensor_parallel",
+                                   stream=stream))
 
 
 def _sequence_traffic(cost, tensor: int, plan, modules: dict) -> None:
@@ -275,13 +291,15 @@ def _sequence_traffic(cost, tensor: int, plan, modules: dict) -> None:
     logits = sum(head.out_features for head in heads)
     share = cost.stage_share
     for kind, factor in (("all_reduce", 2 * (tensor - 1) / tensor), ("all_gather", (tensor - 1) / tensor)):
-        cost.comms.append(Comm("tensor", cost.tokens * width * share, max(1, round(calls * share)), factor, kind,
-                               "tensor_parallel"))
+        # the rows' outputs (reduce-scattered in forward, their gradients gathered in backward) in
+        # the compute dtype; the gathered norm outputs and the embedding's, the residual stream's
+        _append_split(cost, kind, factor, (width, calls), (sum(rows), len(rows)))
     if heads:
         cost.comms.append(Comm("tensor", cost.tokens * logits, len(heads), (tensor - 1) / tensor, "all_gather",
                                "tensor_parallel"))
-    cost.comms.append(Comm("tensor", gathers * hidden * share, max(1, round(gathers * share)),
-                           2 * (tensor - 1) / tensor, "all_reduce", "tensor_parallel", each_micro_batch=True))
+    cost.comms.append(Comm("tensor", gathers * hidden * share, max(1, round(gathers * share)),  # the norm weights'
+                           2 * (tensor - 1) / tensor, "all_reduce", "tensor_parallel", each_micro_batch=True,
+                           stream=True))  # gradients, in the weights' dtype
 
 
 def _features(module) -> tuple[int, int]:
@@ -310,14 +328,15 @@ def _recomputed_rows(model, plan) -> set[str]:
     return recomputed
 
 
-def _tensor_traffic(plan, modules: dict, recomputed: set) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((width, calls) all-reduced, (width, calls) all-gathered) per token in one step of the
+def _tensor_traffic(plan, modules: dict, recomputed: set) -> tuple[tuple[int, int], ...]:
+    """((width, calls) all-reduced, (width, calls) all-gathered, (width, calls) of the all-reduces
+    that are row-parallel outputs) per token in one step of the
     split layers, as atorch.parallel_layers moves them: each column-parallel layer all-reduces its
     input's gradient in backward (q, k, v, gate and up each their own: 5 a Llama layer, where
     Megatron's fused projections make 2), each row-parallel layer its output in forward (again in
     a checkpointed block's recompute: those ``recomputed``), the vocabulary-split embedding its output; the head
     gathers its logits (an all-gather, of the whole vocabulary's width)."""
-    reduce_width = reduce_calls = gather_width = gather_calls = 0
+    reduce_width = reduce_calls = gather_width = gather_calls = row_width = row_calls = 0
     for name, how in plan:
         module = modules[name]
         if how == "embedding":
@@ -327,11 +346,12 @@ def _tensor_traffic(plan, modules: dict, recomputed: set) -> tuple[tuple[int, in
         if how.startswith("row"):
             times = 2 if name in recomputed else 1
             reduce_width, reduce_calls = reduce_width + times * outputs, reduce_calls + times
+            row_width, row_calls = row_width + times * outputs, row_calls + times
         else:
             reduce_width, reduce_calls = reduce_width + inputs, reduce_calls + 1
             if how == "column_gather":
                 gather_width, gather_calls = gather_width + outputs, gather_calls + 1
-    return (reduce_width, reduce_calls), (gather_width, gather_calls)
+    return (reduce_width, reduce_calls), (gather_width, gather_calls), (row_width, row_calls)
 
 
 def _copied_width(plan, modules: dict) -> int:

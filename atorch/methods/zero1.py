@@ -106,7 +106,7 @@ def cost_term(config: Zero1Config, cost) -> None:
                        lambda: _largest_shared(cost.model, cost.held_apart > 0))
         largest *= cost.weight_scale * cost.split
         # beside expert_parallel every rank also steps its own slices (zero_beside_slices.py)
-        apart = cost.param_bytes(True) * cost.weight_scale * cost.split * cost.held_apart
+        apart = cost.param_bytes(True) * cost.weight_scale * cost.split * cost.stage_share * cost.held_apart
         cost.optim_state = max(cost.optim_state, (largest + apart) * cost.state_factor)
         cost.stepped = max(cost.stepped, largest + apart)
         cost.step_temp = cost.stepped  # foreach kernels over the shard's parameters (local_step.py)

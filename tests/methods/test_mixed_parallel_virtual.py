@@ -39,6 +39,7 @@ def _mixed(tensor: int, pipeline: int, virtual: int = 1, microbatches: int = 2):
 
 
 INTERLEAVED = [_mixed(2, 2, virtual=2)]
+INTERLEAVED_AMP = [*INTERLEAVED, ("amp_native", {"dtype": "bf16"})]
 # the same grid with sequence parallelism inside each stage
 SEQUENCE = [("mixed_parallel", {**_mixed(2, 2, virtual=2)[1], "sequence_parallel": True})]
 TENSOR_DATA_ZERO1 = [_mixed(2, 1, microbatches=1), "zero1"]
@@ -98,7 +99,7 @@ def _four_ranks() -> dict:
     return {"interleaved": _train(INTERLEAVED), "zero1": _train(TENSOR_DATA_ZERO1),
             "sequence": _train(SEQUENCE, padded=True),
             "memory": _memory_ratios({"interleaved": INTERLEAVED, "zero1": TENSOR_DATA_ZERO1, "sequence": SEQUENCE}),
-            "traffic": _traffic(INTERLEAVED), "pipeline4": _traffic(PIPELINE4),
+            "traffic": _traffic(INTERLEAVED), "pipeline4": _traffic(PIPELINE4), "amp_traffic": _traffic(INTERLEAVED_AMP),
             "zero1_traffic": _traffic(TENSOR_DATA_ZERO1), "sequence_traffic": _traffic(SEQUENCE)}
 
 
@@ -168,9 +169,10 @@ def _cost(load_strategy, dims: dict):
 def _charged(load_strategy, dims: dict) -> dict:
     """{dim: {kind: (calls, payload bytes)}} of the cost's tensor and pipeline communication."""
     out: dict = {}
-    for c in _cost(load_strategy, dims).comms:
+    cost = _cost(load_strategy, dims)
+    for c in cost.comms:
         calls, payload = out.setdefault(c.dim, {}).get(c.kind, (0, 0))
-        out[c.dim][c.kind] = (calls + c.messages, round(payload + c.elements * 4))
+        out[c.dim][c.kind] = (calls + c.messages, round(payload + c.elements * cost.comm_element_bytes(c)))
     return out
 
 
@@ -196,6 +198,21 @@ def test_the_interleaved_grid_is_charged_the_collectives_it_makes(four_ranks):
     # 1F1B over 4 stages: a middle rank receives and sends both ways (4 a microbatch)
     charged = _charged(PIPELINE4, {"pipeline": 4, "data": 1})
     assert charged["pipeline"]["send_recv"] == _busiest([r["pipeline4"] for r in four_ranks], "pipeline", "send_recv")
+
+
+def test_under_bf16_autocast_the_stages_send_fp32_and_the_tensor_collectives_move_bf16(four_ranks):
+    """The stages hand each other the residual stream, which autocast leaves in the weights'
+    dtype (fp32); the row-parallel layers' outputs they all-reduce are bf16. Until 2026-11-29 the
+    sends were charged at the compute dtype's 2 bytes: half what they move."""
+    seen = [rank["amp_traffic"] for rank in four_ranks]
+    charged = _charged(INTERLEAVED_AMP, {"tensor": 2, "pipeline": 2, "data": 1})
+    assert charged["pipeline"]["send_recv"] == _busiest(seen, "pipeline", "send_recv"), (charged, seen)
+    calls, payload = _busiest(seen, "tensor", "all_reduce")
+    assert charged["tensor"]["all_reduce"][0] == calls
+    assert charged["tensor"]["all_reduce"][1] == pytest.approx(payload, rel=0.01), (charged, seen)
+    assert charged["tensor"]["all_gather"] == _busiest(seen, "tensor", "all_gather")  # the logits, bf16
+    fp32 = _busiest([rank["traffic"] for rank in four_ranks], "pipeline", "send_recv")
+    assert _busiest(seen, "pipeline", "send_recv") == fp32  # the same bytes sent as without autocast
 
 
 def test_sequence_parallelism_on_the_grid_is_charged_the_collectives_it_makes(four_ranks):

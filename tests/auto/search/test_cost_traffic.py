@@ -37,13 +37,12 @@ def _cost(load_strategy, dims: dict):
 
 
 def _charged(cost, dim: str) -> dict:
-    """{kind: (calls, payload bytes)} the cost charges over ``dim``'s group (fp32 elements)."""
-    element = 2 if cost.compute_dtype == "half" else 4
+    """{kind: (calls, payload bytes)} the cost charges over ``dim``'s group, each Comm at its width."""
     out: dict = {}
     for c in cost.comms:
         if c.dim == dim:
             calls, payload = out.get(c.kind, (0, 0))
-            out[c.kind] = (calls + c.messages, payload + c.elements * element)
+            out[c.kind] = (calls + c.messages, payload + c.elements * cost.comm_element_bytes(c))
     return out
 
 

@@ -31,11 +31,10 @@ def _summed(by_dim: dict) -> dict:
 
 
 def _charged(cost) -> dict:
-    element = 2 if cost.compute_dtype == "half" else 4
     out: dict = {}
     for c in cost.comms:
         before = out.get(c.kind, (0, 0))
-        out[c.kind] = (before[0] + c.messages, before[1] + round(c.elements * (c.element_bytes or element)))
+        out[c.kind] = (before[0] + c.messages, before[1] + round(c.elements * cost.comm_element_bytes(c)))
     return out
 
 

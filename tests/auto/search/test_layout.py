@@ -141,9 +141,11 @@ def test_layout_methods_contribute_their_own_memory_and_time_terms():
     assert tensor.activations == pytest.approx(1_000_000 * (10 + 24 / 2) / 34)
     # per layer, q, k, v, gate and up all-reduce their input's gradient and o and down their output;
     # the embedding its output, the head its input's gradient, and the head gathers its logits
-    # (tests/auto/search/test_cost_traffic.py counts them on 2 ranks)
-    assert [(c.dim, c.kind, c.messages) for c in tensor.comms] == [("tensor", "all_reduce", 2 * 7 + 2),
-                                                                 ("tensor", "all_gather", 1)]
+    # (tests/auto/search/test_cost_traffic.py counts them on 2 ranks); o and down's outputs move
+    # in the compute dtype, the rest in the residual stream's (the weights' dtype)
+    assert [(c.dim, c.kind, c.messages, c.stream) for c in tensor.comms] == [
+        ("tensor", "all_reduce", 2 * 2, False), ("tensor", "all_reduce", 2 * 5 + 2, True),
+        ("tensor", "all_gather", 1, False)]
     # pipeline=2: a stage's share of the parameters; 1F1B keeps min(m, stages) microbatches in flight
     for m, estimate in pipe.items():
         assert estimate.params == pytest.approx(data.params / 2, rel=0.05)
