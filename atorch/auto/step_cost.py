@@ -79,6 +79,9 @@ class Comm:
     # weights' dtype, which autocast leaves it in (a Hugging Face Llama's stages hand each other
     # fp32 under bf16 autocast), whatever the compute dtype
     stream: bool = False
+    # launched once a step whatever the accumulation (a sync the loop holds until the last
+    # micro-batch); otherwise ``messages`` are one micro-batch's
+    per_step: bool = False
 
 
 @dataclass
@@ -266,8 +269,15 @@ class StepCost:
         units = {name: n * (self.accumulation if each else 1) for name, (n, each) in self.overheads.items()}
         for c in self.comms:
             if c.method and self.size(c.dim) > 1:
-                units[c.method] = units.get(c.method, 0.0) + c.messages * self.accumulation
+                units[c.method] = units.get(c.method, 0.0) + self.comm_per_step(c)[0]
         return units
+
+    def comm_per_step(self, comm: Comm) -> tuple[float, float]:
+        """(collectives or sends, payload bytes) ``comm`` makes in a step of ``accumulation``
+        micro-batches, its elements at :meth:`comm_element_bytes`."""
+        calls = comm.messages * (1 if comm.per_step else self.accumulation)
+        elements = comm.elements * (self.accumulation if comm.each_micro_batch else 1)
+        return calls, elements * self.comm_element_bytes(comm)
 
     def host_overhead(self) -> float:
         """Seconds of the methods' calibrated host overheads per step (0 without a profile, or with
@@ -408,8 +418,8 @@ class StepCost:
         for c in self.comms:
             if self.size(c.dim) > 1:
                 bandwidth, latency = self._link((c.dim,), c.kind)
-                elements = c.elements * (self.accumulation if c.each_micro_batch else 1)
-                comm += elements * self.comm_element_bytes(c) * c.factor / bandwidth + c.messages * self.accumulation * latency
+                calls, payload = self.comm_per_step(c)
+                comm += payload * c.factor / bandwidth + calls * latency
         if self.host_transfer and self.profile is not None and self.profile.host_link_bandwidth:
             comm += self.host_transfer / self.profile.host_link_bandwidth  # not overlapped: a bound from above
         return compute * self.bubble_factor() + comm + self.stepped * self.optimizer_rate() + (0.0 if on_device

@@ -296,16 +296,18 @@ def _copies_sync(cost, found: dict, routed: int, size: int, copies: int, fsdp2: 
         weights = sum(len(list(m[0].parameters())) * len(m) // size if isinstance(m, torch.nn.ModuleList)
                       else len(list(m.parameters(recurse=False))) for m in found.values())
         cost.comms.append(Comm("data", local, weights, factor=2 * (copies - 1) / copies, method="expert_parallel",
-                               element_bytes=1))
+                               element_bytes=1, per_step=True))  # held until the last micro-batch
         return
     cost.apart_copies = copies
     amp = "amp_native" in cost.methods
     gathered = local * (min(1.0, 2 / cost.element_bytes()) if amp else 1.0)  # gathered in amp's 2 bytes
     leaving = (copies - 1) / copies
     gathers = 2 if "fsdp" in cost.methods else 1  # fsdp regathers for backward (reshard_after_forward); zero2 keeps
+    # gathered again in every micro-batch; reduce-scattered once a step (its sync held until the last)
     cost.comms.append(Comm("data", gathers * gathered, gathers * units, factor=leaving, kind="all_gather",
-                           element_bytes=1))
-    cost.comms.append(Comm("data", local, units, factor=leaving, kind="reduce_scatter", element_bytes=1))
+                           each_micro_batch=True, element_bytes=1))
+    cost.comms.append(Comm("data", local, units, factor=leaving, kind="reduce_scatter", element_bytes=1,
+                           per_step=True))
 
 
 def _choices(model: torch.nn.Module) -> int:

@@ -314,29 +314,33 @@ def test_the_load_imbalance_term_is_the_busiest_ranks_excess_the_dispatch_makes(
 COPIES = ["parallel_mode", "fsdp", ("expert_parallel", {"size": 2})]
 
 
-def _copies_traffic() -> dict:
+def _copies_traffic(accumulation: int = 1) -> dict:
     from tests.helpers.comms import step_traffic
     from tests.helpers.hf import CountingTokens
 
-    return step_traffic(tiny_moe("mixtral"), COPIES, CountingTokens(), 8)
+    return step_traffic(tiny_moe("mixtral"), COPIES, CountingTokens(), 8, accumulation=accumulation)
 
 
 @pytest.mark.slow  # the runtime of EP x FSDP is in the default run (test_fsdp_shards_each_slice_...)
-def test_the_cost_term_charges_the_gathers_and_reduce_scatters_of_slices_sharded_over_their_copies():
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_the_cost_term_charges_the_gathers_and_reduce_scatters_of_slices_sharded_over_their_copies(accumulation):
     """4 ranks, groups of 2, fsdp: each block's expert unit is gathered twice (forward, backward)
-    and reduce-scattered once over the 2 ranks that hold its slice; the term charges those calls
-    and the bytes handed to them (whole gathered slices), the other weights' sync as before."""
+    in every micro-batch and reduce-scattered once a step over the 2 ranks that hold its slice;
+    the term charges those calls and the bytes handed to them (whole gathered slices), the other
+    weights' sync as before. Under accumulation the gathers had been charged once a step and the
+    reduce-scatters' calls once a micro-batch (until 2026-11-29)."""
     pytest.importorskip("transformers")
     from atorch.auto.plan import resolve_strategy
     from atorch.auto.search.cost import build_cost
     from atorch.auto.strategy import Strategy
     from tests.helpers.hf import SEQ
 
-    seen = run_distributed(_copies_traffic, 4)[0]
+    seen = run_distributed(_copies_traffic, 4, accumulation)[0]
     with torch.device("meta"):
         model = tiny_moe("mixtral")
-    cost = build_cost(model, resolve_strategy(model, Strategy(COPIES)), {"data": 4}, 2.0, 0, 1e9, 8 // 4 * SEQ)
-    charged = {c.kind: (c.messages, c.elements * cost.comm_element_bytes(c)) for c in cost.comms if c.kind != "send_recv"}
+    cost = build_cost(model, resolve_strategy(model, Strategy(COPIES)), {"data": 4}, 2.0, 0, 1e9, 8 // 4 * SEQ,
+                      accumulation=accumulation)
+    charged = {c.kind: cost.comm_per_step(c) for c in cost.comms if c.kind != "send_recv"}
     assert charged == {kind: seen["other"][kind] for kind in ("all_gather", "reduce_scatter")}, (charged, seen)
     synced = {kind: (calls, payload) for kind, payload, calls in cost.data_sync_collectives()}
     assert synced == {kind: seen["data"][kind] for kind in synced}, (synced, seen["data"])
