@@ -600,3 +600,32 @@ def test_on_data_ranks_that_share_no_divisor_with_the_experts_it_is_dropped_with
     assert any(note.startswith("expert_parallel: dropped because it would change nothing: its 2 data ranks and "
                                "the 3 experts share no divisor") for note in notes), notes
     assert not slices
+
+
+def _pipelined_zero1_state() -> int:
+    """This rank's AdamW state bytes after one step of pipeline 2 x data 2 + expert_parallel + zero1."""
+    from atorch.auto.search.peak import optimizer_state
+    from atorch.utils.optim import unwrap_optimizer
+
+    result = _build_only([*PIPELINE_2X2, "zero1"])
+    batch = result.prepare_input(next(iter(result.dataloader)), torch.device("cpu"))
+    result.backward(result.loss_func(batch, result.model(**batch)))
+    result.step()
+    return sum(t.nbytes for t in optimizer_state(unwrap_optimizer(result.optim)) if t.ndim > 0)
+
+
+def test_zero1_beside_experts_and_a_pipeline_keeps_the_stages_state():
+    """pipeline 2 x data 2, experts over the data ranks, zero1: each rank steps its stage's own
+    slices and its share of the stage's other weights. The term had counted the whole model's
+    slices, not the stage's (until 2026-11-29): 1.7x the state of the busiest rank."""
+    pytest.importorskip("transformers")
+    from atorch.auto.plan import resolve_strategy
+    from atorch.auto.search.cost import build_cost
+    from atorch.auto.strategy import Strategy
+
+    measured = run_distributed(_pipelined_zero1_state, 4)
+    with torch.device("meta"):
+        model = tiny_moe("mixtral")
+    strategy = resolve_strategy(model, Strategy([*PIPELINE_2X2, "zero1"]))
+    cost = build_cost(model, strategy, {"pipeline": 2, "data": 2}, 2.0, 0)
+    assert cost.optim_state == pytest.approx(max(measured), rel=0.1), (cost.optim_state, measured)
