@@ -101,17 +101,28 @@ def _layer_comms(cost, linears, row: int, col: int, depth: int) -> None:
 
 
 def _replica_comms(cost, linears, depth: int) -> None:
-    """With no data dim beside it, the hooks' sync over depth (the data-parallel sync charges it
-    over data x depth otherwise): each replicated trainable parameter's gradient all-reduced, one
-    collective each, every backward, and the step's loss count (24 bytes)."""
-    if depth <= 1 or cost.dp_size > 1:
+    """The gradient hooks' sync (intra_layer.grads.install_gradient_sync, in place of DDP): each
+    trainable parameter's gradient all-reduced, one blocking collective each, in every backward
+    (every micro-batch): a replicated parameter's over data x depth, a 3D weight shard's over its
+    data replicas. With data ranks beside the grid the data-parallel sync is these (until
+    2026-11-29 it was costed as DDP's: a bucket a step, hidden behind the backward). Without, the
+    step's loss count over depth (24 bytes; over data ranks the data-parallel terms count it)."""
+    data = cost.dp_size
+    if depth * data <= 1:
         return
+    cost.data_sync, cost.sync_calls, cost.sync_overlap = {}, {}, {}
     sharded = {id(m.weight) for _, m in linears}
-    replicated = [p for p in cost.model.parameters() if p.requires_grad and id(p) not in sharded]
-    factor = 2 * (depth - 1) / depth
-    if replicated:  # gradients in the parameters' dtype (fp32 under amp too)
-        payload = sum(p.numel() * p.element_size() for p in replicated) / 4
-        cost.comms.append(Comm("tensor", payload * cost.stage_share, len(replicated), factor, "all_reduce",
-                               "tensor_parallel", each_micro_batch=True, element_bytes=4))
-    # [count, sum, samples] in float64 (atorch/loss/step.py)
-    cost.comms.append(Comm("tensor", 3, 1, factor, "all_reduce", "tensor_parallel", element_bytes=8))
+    trainable = [p for p in cost.model.parameters() if p.requires_grad]
+    replicated = [p for p in trainable if id(p) not in sharded]
+    shards = [p for p in trainable if id(p) in sharded]
+    tensor = cost.size("tensor")
+    dim = "data" if data > 1 else "tensor"
+    # gradients in the weights' dtype (fp32 under amp too: ``stream``)
+    for group, params, kept in ((depth * data, replicated, 1), (data, shards, tensor)):
+        if group > 1 and params:
+            elements = sum(p.numel() for p in params) / kept
+            cost.comms.append(Comm(dim, elements * cost.stage_share, len(params), 2 * (group - 1) / group,
+                                   "all_reduce", "tensor_parallel", each_micro_batch=True, stream=True))
+    if data <= 1:  # [count, sum, samples] in float64 (atorch/loss/step.py)
+        cost.comms.append(Comm("tensor", 3, 1, 2 * (depth - 1) / depth, "all_reduce", "tensor_parallel",
+                               element_bytes=8))

@@ -58,3 +58,29 @@ def test_the_3d_algorithm_charges_the_collectives_its_layers_make():
     # ... and all 7 weight gathers; the 2 x 2 norms, the final norm and the embedding, and the count
     assert seen["depth 2, selective checkpoint"]["all_gather"][0] == 15 + 2 * 7
     assert seen["depth 2, amp"]["all_reduce"][0] == 6 + 1
+
+
+# Beside data ranks (4 ranks: the grid's 2 x data 2) the gradient hooks are the data-parallel sync:
+# each parameter all-reduced, every backward, over data x depth (replicated) or data (3D shards).
+DATA_CASES = {"depth 2 x data 2": {"depth": 2}, "row 2 x data 2": {"row": 2}}
+
+
+def _data_runs() -> dict:
+    strategy = lambda grid: [("parallel_mode", ([("tensor", 2), ("data", 2)], None)),  # noqa: E731
+                             ("tensor_parallel", {"algorithm": "3d", **grid})]
+    return {name: _summed(_traffic(strategy(grid))) for name, grid in DATA_CASES.items()}
+
+
+def test_beside_data_ranks_the_3d_gradient_hooks_are_the_data_sync():
+    """Until 2026-11-29 the 3d algorithm with data ranks was charged DDP's sync (one bucketed
+    all-reduce a step, hidden behind the backward) where its hooks all-reduce each parameter."""
+    pytest.importorskip("transformers")
+    seen = run_distributed(_data_runs, 4)[0]
+    for name, grid in DATA_CASES.items():
+        cost = _cost([("parallel_mode", ([("tensor", 2), ("data", 2)], None)),
+                      ("tensor_parallel", {"algorithm": "3d", **grid})], {"tensor": 2, "data": 2})
+        charged = _charged(cost)
+        for kind, payload, calls in cost.data_sync_collectives() + cost.loss_count_collectives():
+            before = charged.get(kind, (0, 0))
+            charged[kind] = (before[0] + calls, before[1] + round(payload))
+        assert charged == seen[name], (name, charged, seen[name])
