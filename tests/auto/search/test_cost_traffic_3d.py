@@ -71,6 +71,7 @@ def _data_runs() -> dict:
     return {name: _summed(_traffic(strategy(grid))) for name, grid in DATA_CASES.items()}
 
 
+@pytest.mark.slow  # a 4-rank spawn, 15 s; the 2-rank grids above stay in the default run
 def test_beside_data_ranks_the_3d_gradient_hooks_are_the_data_sync():
     """Until 2026-11-29 the 3d algorithm with data ranks was charged DDP's sync (one bucketed
     all-reduce a step, hidden behind the backward) where its hooks all-reduce each parameter."""
