@@ -437,22 +437,25 @@ def test_zero1_beside_expert_parallel_shards_the_shared_state_and_steps_each_ran
 STATES = {"ddp": [], "zero1": ["zero1"], "zero2": ["zero2"], "fsdp": ["fsdp"]}
 
 
-def _state_bytes(size: int) -> dict:
-    """Per sharder, this rank's optimizer state bytes after one step (local shards only)."""
+def _state_after_a_step(strategy: list) -> int:
+    """This rank's optimizer state bytes after one step of ``strategy`` (local shards only)."""
     from torch.distributed.tensor import DTensor
 
     from atorch.auto.search.peak import optimizer_state
     from atorch.utils.optim import unwrap_optimizer
 
-    out = {}
-    for name, methods in STATES.items():
-        result = _build_only(["parallel_mode", *methods, ("expert_parallel", {"size": size})])
-        batch = result.prepare_input(next(iter(result.dataloader)), torch.device("cpu"))
-        result.backward(result.loss_func(batch, result.model(**batch)))
-        result.step()
-        tensors = optimizer_state(unwrap_optimizer(result.optim))
-        out[name] = sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors if t.ndim > 0)
-    return out
+    result = _build_only(strategy)
+    batch = result.prepare_input(next(iter(result.dataloader)), torch.device("cpu"))
+    result.backward(result.loss_func(batch, result.model(**batch)))
+    result.step()
+    tensors = optimizer_state(unwrap_optimizer(result.optim))
+    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors if t.ndim > 0)
+
+
+def _state_bytes(size: int) -> dict:
+    """Per sharder, this rank's optimizer state bytes after one step."""
+    return {name: _state_after_a_step(["parallel_mode", *methods, ("expert_parallel", {"size": size})])
+            for name, methods in STATES.items()}
 
 
 @pytest.mark.parametrize("world, size", [(2, 2), (4, 2)])
@@ -602,18 +605,6 @@ def test_on_data_ranks_that_share_no_divisor_with_the_experts_it_is_dropped_with
     assert not slices
 
 
-def _pipelined_zero1_state() -> int:
-    """This rank's AdamW state bytes after one step of pipeline 2 x data 2 + expert_parallel + zero1."""
-    from atorch.auto.search.peak import optimizer_state
-    from atorch.utils.optim import unwrap_optimizer
-
-    result = _build_only([*PIPELINE_2X2, "zero1"])
-    batch = result.prepare_input(next(iter(result.dataloader)), torch.device("cpu"))
-    result.backward(result.loss_func(batch, result.model(**batch)))
-    result.step()
-    return sum(t.nbytes for t in optimizer_state(unwrap_optimizer(result.optim)) if t.ndim > 0)
-
-
 def test_zero1_beside_experts_and_a_pipeline_keeps_the_stages_state():
     """pipeline 2 x data 2, experts over the data ranks, zero1: each rank steps its stage's own
     slices and its share of the stage's other weights. The term had counted the whole model's
@@ -623,7 +614,7 @@ def test_zero1_beside_experts_and_a_pipeline_keeps_the_stages_state():
     from atorch.auto.search.cost import build_cost
     from atorch.auto.strategy import Strategy
 
-    measured = run_distributed(_pipelined_zero1_state, 4)
+    measured = run_distributed(_state_after_a_step, 4, [*PIPELINE_2X2, "zero1"])
     with torch.device("meta"):
         model = tiny_moe("mixtral")
     strategy = resolve_strategy(model, Strategy([*PIPELINE_2X2, "zero1"]))

@@ -15,9 +15,9 @@ CASES = {
 }
 
 
-def _strategy(grid: dict, extra: list) -> list:
-    return [("parallel_mode", ([("tensor", 2), ("data", 1)], None)), ("tensor_parallel", {"algorithm": "3d", **grid}),
-            *extra]
+def _strategy(grid: dict, extra: list, data: int = 1) -> list:
+    return [("parallel_mode", ([("tensor", 2), ("data", data)], None)),
+            ("tensor_parallel", {"algorithm": "3d", **grid}), *extra]
 
 
 def _summed(by_dim: dict) -> dict:
@@ -66,9 +66,7 @@ DATA_CASES = {"depth 2 x data 2": {"depth": 2}, "row 2 x data 2": {"row": 2}}
 
 
 def _data_runs() -> dict:
-    strategy = lambda grid: [("parallel_mode", ([("tensor", 2), ("data", 2)], None)),  # noqa: E731
-                             ("tensor_parallel", {"algorithm": "3d", **grid})]
-    return {name: _summed(_traffic(strategy(grid))) for name, grid in DATA_CASES.items()}
+    return {name: _summed(_traffic(_strategy(grid, [], data=2))) for name, grid in DATA_CASES.items()}
 
 
 @pytest.mark.slow  # a 4-rank spawn, 15 s; the 2-rank grids above stay in the default run
@@ -78,8 +76,7 @@ def test_beside_data_ranks_the_3d_gradient_hooks_are_the_data_sync():
     pytest.importorskip("transformers")
     seen = run_distributed(_data_runs, 4)[0]
     for name, grid in DATA_CASES.items():
-        cost = _cost([("parallel_mode", ([("tensor", 2), ("data", 2)], None)),
-                      ("tensor_parallel", {"algorithm": "3d", **grid})], {"tensor": 2, "data": 2})
+        cost = _cost(_strategy(grid, [], data=2), {"tensor": 2, "data": 2})
         charged = _charged(cost)
         for kind, payload, calls in cost.data_sync_collectives() + cost.loss_count_collectives():
             before = charged.get(kind, (0, 0))
