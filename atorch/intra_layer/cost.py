@@ -40,9 +40,7 @@ def terms_3d(cost, row: int, col: int, depth: int) -> None:
     linears = replaceable_linears(cost.model, col, row * depth)
     sizes = [_bytes(m) for _, m in linears]
     whole = max(cost.param_bytes(), 1)
-    share = 1 - sum(sizes) / whole * (1 - 1 / tensor)
-    cost.split_model(share)
-    cost.split *= share
+    cost.split_layers(sum(sizes) / whole * (1 - 1 / tensor))
     if depth > 1:  # each layer's gathered block is saved for its backward: all of them at forward's end
         cost.gathered += sum(sizes) * cost.weight_scale / (row * col)
     cost.activations /= depth

@@ -253,10 +253,8 @@ def cost_term(config: ExpertParallelConfig, cost) -> None:
         return
     routed = sum(p.numel() * p.element_size() for module in found.values() for p in module.parameters())
     fraction = routed / max(cost.param_bytes(), 1)
-    share = 1 - fraction * (1 - 1 / size)
-    cost.split_model(share)
-    cost.split *= share
-    cost.held_apart = fraction / size / cost.split  # of the rank's piece, after any tensor split too
+    cost.split_layers(fraction * (1 - 1 / size))
+    cost.held_apart = fraction / size / cost.split  # of the rank's piece (a later tensor split grows it)
     choices = _choices(cost.model)
     hidden = _hidden(cost.model, found)
     leaving = (size - 1) / size

@@ -225,9 +225,14 @@ def tensor_terms(cost, tensor: int, sequence_parallel: bool = False, activations
     modules = once(("modules", id(cost.model)), lambda: dict(cost.model.named_modules()))
     split = once(("tensor split bytes", id(cost.model), tensor), lambda: sum(
         p.numel() * p.element_size() for name, _ in plan for p in modules[name].parameters()))
-    share = 1 - split / max(cost.param_bytes(), 1) * (1 - 1 / tensor)
-    cost.split_model(share)
-    cost.split *= share
+    whole = max(cost.param_bytes(), 1)
+    cost.split_layers(split / whole * (1 - 1 / tensor))
+    # the FLOPs the split layers run, of those a token passes through (a MoE's routed experts run
+    # whole on every tensor rank, and a token sees only its choices of them)
+    from atorch.parallel_layers.experts import experts_summary
+
+    moe = experts_summary(cost.model)
+    share = 1 - split / (whole * (moe[2] if moe else 1.0)) * (1 - 1 / tensor)
     cost.compute_share *= share
     if sequence_parallel:
         _sequence_traffic(cost, tensor, plan, modules)
@@ -387,7 +392,7 @@ def leaves_whole(model, config: TensorParallelConfig) -> str | None:
     found = experts_summary(model)
     if found is None:
         return None
-    blocks, share = found
+    blocks, share, _ = found
     return (f"splits attention and dense MLPs only; the routed experts of {blocks} MoE blocks ({share:.0%} of "
             f"{type(model).__name__}'s parameters) stay whole on every tensor rank. Shard them with fsdp (or "
             "zero2/zero1 for their gradients and optimizer state), or split them over the data ranks with "

@@ -46,8 +46,9 @@ def block_of(model: nn.Module, name: str) -> nn.Module:
     return model.get_submodule(name.rpartition(".")[0]) if "." in name else model
 
 
-def experts_summary(model: nn.Module) -> tuple[int, float] | None:
-    """(how many MoE blocks, the routed experts' share of the parameters), or None when dense.
+def experts_summary(model: nn.Module) -> tuple[int, float, float] | None:
+    """(how many MoE blocks, the routed experts' share of the parameters, the share a token passes
+    through: the rest and ``num_experts_per_tok`` of each block's experts), or None when dense.
     Kept while a plan or search costs its candidates (every candidate with tensor_parallel asks)."""
     from atorch.utils.memo import once
 
@@ -59,8 +60,10 @@ def _summary(model: nn.Module) -> tuple[int, float] | None:
     if not found:
         return None
     total = sum(p.numel() for p in model.parameters())
-    routed = sum(p.numel() for module in found.values() for p in module.parameters())
-    return len(found), routed / max(total, 1)
+    routed = sum(p.numel() for module in found.values() for p in module.parameters()) / max(total, 1)
+    experts = expert_count(next(iter(found.values())))
+    choices = min(int(getattr(getattr(model, "config", None), "num_experts_per_tok", None) or 1), experts)
+    return len(found), routed, 1 - routed * (1 - choices / experts)
 
 
 class _ExpectedLoad:

@@ -620,3 +620,70 @@ def test_zero1_beside_experts_and_a_pipeline_keeps_the_stages_state():
     strategy = resolve_strategy(model, Strategy([*PIPELINE_2X2, "zero1"]))
     cost = build_cost(model, strategy, {"pipeline": 2, "data": 2}, 2.0, 0)
     assert cost.optim_state == pytest.approx(max(measured), rel=0.1), (cost.optim_state, measured)
+
+
+TENSOR_2X2 = [("parallel_mode", ([("tensor", 2), ("data", 2)], None)), "tensor_parallel", "expert_parallel"]
+
+
+def _tensor_and_experts() -> dict:
+    """tensor 2 x data 2, the experts split over the data ranks: a step's data-group collectives,
+    and this rank's optimizer state with zero1 beside them."""
+    from tests.helpers.comms import step_traffic
+    from tests.helpers.hf import CountingTokens
+
+    return {"data": step_traffic(tiny_moe("mixtral"), TENSOR_2X2, CountingTokens(), 8)["data"],
+            "state": _state_after_a_step([*TENSOR_2X2, "zero1"])}
+
+
+@pytest.mark.slow  # 4 ranks, 17 s; by default: the terms' order test below and the 2-rank sync test above
+def test_beside_a_tensor_split_the_experts_slices_stay_whole_and_the_rest_divides():
+    """Tensor ranks hold the same expert slices whole and split the attention: DDP's all-reduce
+    carries the rank's tensor slice of the other weights, and zero1 shards that slice over the
+    data ranks beside the rank's own experts (counted and measured on 4 gloo ranks). The tensor
+    term had shrunk the slices with the rest and left ``held_apart`` as expert_parallel set it:
+    the DDP bytes were charged 1.75x (until 2026-11-29)."""
+    pytest.importorskip("transformers")
+    from atorch.auto.plan import resolve_strategy
+    from atorch.auto.search.cost import build_cost
+    from atorch.auto.strategy import Strategy
+    from tests.helpers.hf import SEQ
+
+    ranks = run_distributed(_tensor_and_experts, 4)
+    with torch.device("meta"):
+        model = tiny_moe("mixtral")
+    dims = {"tensor": 2, "data": 2}
+    cost = build_cost(model, resolve_strategy(model, Strategy(TENSOR_2X2)), dims, 2.0, 0, 1e9, 8 // 2 * SEQ)
+    charged = sum(payload for kind, payload, _ in cost.data_sync_collectives() + cost.loss_count_collectives()
+                  if kind == "all_reduce")
+    counted = max(rank["data"]["all_reduce"][1] for rank in ranks)
+    assert charged == pytest.approx(counted, rel=0.02), (charged, [rank["data"] for rank in ranks])
+    zero1 = build_cost(model, resolve_strategy(model, Strategy([*TENSOR_2X2, "zero1"])), dims, 2.0, 0)
+    most = max(rank["state"] for rank in ranks)
+    assert zero1.optim_state == pytest.approx(most, rel=0.1), (zero1.optim_state, [rank["state"] for rank in ranks])
+
+
+def test_the_tensor_and_expert_terms_give_the_same_piece_in_either_order():
+    """The two splits compose whatever order their terms run in: the rank's bytes, the share held
+    apart and the FLOP share come out the same."""
+    pytest.importorskip("transformers")
+    from atorch.auto.plan import resolve_strategy
+    from atorch.auto.search.cost import build_cost
+    from atorch.auto.strategy import Strategy
+    from atorch.methods.expert_parallel import ExpertParallelConfig
+    from atorch.methods.expert_parallel import cost_term as expert_term
+    from atorch.methods.tensor_parallel import TensorParallelConfig
+    from atorch.methods.tensor_parallel import cost_term as tensor_term
+
+    with torch.device("meta"):
+        model = tiny_moe("mixtral")
+    plain = resolve_strategy(model, Strategy([("parallel_mode", ([("tensor", 2), ("data", 2)], None))]))
+    pieces = []
+    for terms in ((expert_term, tensor_term), (tensor_term, expert_term)):
+        cost = build_cost(model, plain, {"tensor": 2, "data": 2}, 2.0, 0)
+        cost.methods = (*cost.methods, "tensor_parallel", "expert_parallel")
+        for term in terms:
+            term(ExpertParallelConfig() if term is expert_term else TensorParallelConfig(), cost)
+        pieces.append((cost.params, cost.optim_state, cost.held_apart, cost.split, cost.compute_share))
+    assert pieces[0] == pytest.approx(pieces[1], rel=1e-9)
+    routed = sum(p.numel() * 4 for name, p in model.named_parameters() if ".experts." in name)
+    assert pieces[0][0] * pieces[0][2] == pytest.approx(routed / 2)  # half the experts, whole
