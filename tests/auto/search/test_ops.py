@@ -65,3 +65,24 @@ def test_an_mlps_forward_and_backward_count_as_torchs_flop_counter():
     # two matmuls forward; backward: the second layer's input and weight gradients, the first's
     # weight gradient (x needs none); each 2 x 4 x 16 x 64
     assert _counts(run)[0] == 5 * 2 * 4 * 16 * 64
+
+
+def test_a_fused_moes_expert_flops_count_on_a_real_device_as_at_their_expected_load_on_meta():
+    """transformers' fused experts run torch's grouped matmul, which torch's table leaves out: a
+    probe of a real Mixtral counted none of its experts' FLOPs (a quarter of this one's forward,
+    most of a real one's; until 2026-11-29). Every (token, choice) pair runs one expert however
+    the router spreads them, so the count equals the meta probe's expected load exactly."""
+    pytest.importorskip("transformers")
+    from atorch.parallel_layers.experts import expected_load
+    from tests.methods.test_tensor_parallel_moe import tiny_moe
+
+    ids = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), ops.OpCounter(count_traffic=False) as real:
+        tiny_moe("mixtral")(input_ids=ids)
+    with torch.device("meta"):
+        meta = tiny_moe("mixtral")
+    with torch.no_grad(), expected_load(meta), ops.OpCounter(count_traffic=False) as expected:
+        meta(input_ids=ids.to("meta"))
+    assert real.flops == expected.flops > 0
+    experts = sum(p.numel() for name, p in meta.named_parameters() if ".experts." in name)
+    assert real.flops > 2 * ids.numel() * 2 * experts / 4  # the pairs' expert FLOPs: 2 choices of 4 experts
