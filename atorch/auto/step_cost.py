@@ -131,6 +131,10 @@ class StepCost:
     # parallelism splits them too)
     whole_traffic: float = 0.0
     whole_traffic_factor: float = 1.0
+    # elements one forward's tensor-parallel layers copy around their collectives on this rank,
+    # which the serial probe never saw: (a matmul's outputs, in the compute dtype; the residual
+    # stream's, in the weights' dtype): run whole on every tensor rank
+    tensor_copies: tuple = (0.0, 0.0)
     # memory, bytes per rank (see the module docstring's formula)
     params: float = 0.0
     grads: float = 0.0
@@ -478,9 +482,12 @@ class StepCost:
 
     def rank_traffic(self) -> float:
         """Bytes one forward's operators without FLOPs move on this rank: the probe's, split as the
-        compute is, except those that run whole on every tensor rank (``whole_traffic``)."""
-        return (self.forward_traffic + self.whole_traffic * (self.whole_traffic_factor - 1)) * self.compute_share
-
+        compute is, except those that run whole on every tensor rank (``whole_traffic``), and the
+        copies the tensor layers make (``tensor_copies``, already the rank's)."""
+        computed, stream = self.tensor_copies
+        copies = computed * (2 if self.compute_dtype == "half" else 4) + stream * self.element_bytes()
+        whole = self.whole_traffic * (self.whole_traffic_factor - 1)
+        return (self.forward_traffic + whole) * self.compute_share + copies
     def bubble_factor(self) -> float:
         """What a pipeline's bubble makes of a rank's compute: 1 + the bubble, or, on a CPU whose
         cores the ranks share (the profile's ``ranks_per_core``, r), the larger of the rank's own

@@ -240,11 +240,9 @@ def tensor_terms(cost, tensor: int, sequence_parallel: bool = False, activations
     # the element-wise work outside the split regions runs whole on every tensor rank: not divided;
     # nor the copies atorch's layers make around their collectives, which the serial probe never saw
     cost.whole_traffic_factor /= share
-    if cost.forward_traffic:
-        width = once(("tensor copies", id(cost.model), tensor), lambda: _copied_width(plan, modules))
-        copies = cost.tokens * width * (2 if cost.compute_dtype == "half" else 4)
-        cost.forward_traffic += copies
-        cost.whole_traffic += copies
+    if cost.forward_traffic:  # their width resolved once amp's term has run (StepCost.rank_traffic)
+        computed, stream = once(("tensor copies", id(cost.model), tensor), lambda: _copied_width(plan, modules))
+        cost.tensor_copies = (cost.tokens * computed * cost.stage_share, cost.tokens * stream * cost.stage_share)
     recomputed = set()
     if "checkpoint" in cost.methods:
         recomputed = once(("recomputed rows", id(cost.model), tensor), lambda: _recomputed_rows(cost.model, plan))
@@ -359,21 +357,24 @@ def _tensor_traffic(plan, modules: dict, recomputed: set) -> tuple[tuple[int, in
     return (reduce_width, reduce_calls), (gather_width, gather_calls), (row_width, row_calls)
 
 
-def _copied_width(plan, modules: dict) -> int:
-    """Elements per token atorch.parallel_layers' forward copies around its collectives: a row
-    layer's and the embedding's output cloned before their all-reduce (read and written: 2 x the
-    width), the head's logits gathered into fresh buffers and concatenated (3 x the vocabulary),
-    on every tensor rank (counted on 2 gloo ranks: tests/auto/search/test_tensor_traffic.py)."""
-    width = 0
+def _copied_width(plan, modules: dict) -> tuple[int, int]:
+    """Elements per token atorch.parallel_layers' forward copies around its collectives, on every
+    tensor rank, as (those a matmul made: the compute dtype's width, those of the residual stream:
+    the weights'): a row layer's output (a matmul's) and the embedding's cloned before their
+    all-reduce (read and written: 2 x the width); the head's logits concatenated from the
+    all-gather's buffers (read and written: 2 x the vocabulary; the all-gather's own writes are
+    the collective's). Counted on 2 gloo ranks, in fp32 and bf16 autocast:
+    tests/auto/search/test_tensor_traffic.py."""
+    computed = stream = 0
     for name, how in plan:
         module = modules[name]
         if how == "embedding":
-            width += 2 * module.embedding_dim
+            stream += 2 * module.embedding_dim
         elif how.startswith("row"):
-            width += 2 * _features(module)[1]
+            computed += 2 * _features(module)[1]
         elif how == "column_gather":
-            width += 3 * _features(module)[1]
-    return width
+            computed += 2 * _features(module)[1]
+    return computed, stream
 
 
 def cost_term(config: TensorParallelConfig, cost) -> None:

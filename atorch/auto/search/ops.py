@@ -130,6 +130,10 @@ class OpCounter(TorchDispatchMode):
         return out
 
 
+_ALLOCATIONS = {torch.ops.aten.empty_like, torch.ops.aten.empty, torch.ops.aten.new_empty,
+                torch.ops.aten.empty_strided, torch.ops.aten.new_empty_strided}
+
+
 def traffic(func, inputs, out, weights: set) -> int:
     """Bytes an operator without FLOPs (element-wise, a normalization, a reduction, a softmax, a
     gather) reads and writes: its tensor inputs' and outputs', in their dtypes. On a GPU such
@@ -138,7 +142,9 @@ def traffic(func, inputs, out, weights: set) -> int:
     Llama's residual stream and norms, which stay fp32 under amp, twice the bytes of its bf16 MLP
     activations. Not counted: a view or alias of an input (no data moves; an in-place operator
     does count), a weight's elements (a gather reads the rows it returns, counted as its output),
-    and an operator on weights alone (autocast's cast of a weight: once a step, not once a sample).
+    an operator on weights alone (autocast's cast of a weight: once a step, not once a sample),
+    and an allocation (``empty_like``: atorch's tensor layers make the buffers an all-gather
+    fills; it reads and writes nothing).
 
     >>> import torch
     >>> x, w = torch.ones(4, 8), torch.ones(8)
@@ -149,8 +155,13 @@ def traffic(func, inputs, out, weights: set) -> int:
     0
     >>> traffic(torch.ops.aten._to_copy.default, ((w,), {}), w.half(), keys)
     0
+    >>> traffic(torch.ops.aten.empty_like.default, ((x,), {}), torch.empty_like(x), keys)
+    0
     """
     from torch.utils._pytree import tree_leaves
+
+    if func._overloadpacket in _ALLOCATIONS:
+        return 0
 
     tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
