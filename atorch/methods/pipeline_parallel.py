@@ -134,18 +134,24 @@ def ineligible(model: torch.nn.Module, config: PipelineParallelConfig, job: Layo
     return pipeline_ineligible(model, config, job, job.dims.get("pipeline", 1))
 
 
-def _boundary_width(model: torch.nn.Module, names: list[str]) -> int:
-    """Features of the hidden state passed from one stage to the next."""
+def _boundary_width(model: torch.nn.Module, names: list[str]) -> tuple[int, bool]:
+    """(features of the hidden state a stage hands the next, whether it is in the weights' dtype
+    under autocast). A decoder's residual stream is (autocast adds the bf16 branch outputs to it
+    in fp32), and so is a norm's or an embedding's output; a stage that ends in a Linear hands on
+    its matmul's output, in the compute dtype (counted on 2 gloo ranks:
+    tests/methods/test_pipeline_parallel.py)."""
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     if hidden:
-        return int(hidden)
+        return int(hidden), True
     for name in reversed(names):
         for module in reversed(list(model.get_submodule(name).modules())):
             if isinstance(module, torch.nn.Linear):
-                return module.out_features
+                return module.out_features, False
             if isinstance(module, torch.nn.Embedding):
-                return module.embedding_dim
-    return 0
+                return module.embedding_dim, True
+            if isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)) and module.normalized_shape:
+                return module.normalized_shape[-1], True
+    return 0, True
 
 
 def probe_units(model: torch.nn.Module) -> list[str]:
@@ -370,7 +376,7 @@ def pipeline_terms(cost, config: PipelineFields, stages: int, grad_sync: bool = 
     cost.op_share *= share * m  # each microbatch runs the rank's layers: m times their operators
     cost.bubble += (stages - 1) / (m * v)
     cost.microbatches = m
-    width = _boundary_width(cost.model, ranges[0])
+    width, stream = _boundary_width(cost.model, ranges[0])
     # Per microbatch, each of a rank's stages receives its input and sends its output forward, and
     # the gradients back: 4 sends and receives, 2 at the pipeline's first and last stage. The
     # busiest rank: a middle one (4 v), or with 2 ranks either (4 v - 2). Counted on 4 gloo ranks
@@ -378,7 +384,7 @@ def pipeline_terms(cost, config: PipelineFields, stages: int, grad_sync: bool = 
     # tensor=2 x pipeline=2 with 2 virtual stages and 2 microbatches, 16 against 8 for a middle
     # rank of pipeline=4 with 4.
     hops = 4 * v - (2 if stages == 2 else 0)
-    cost.comms.append(Comm("pipeline", hops * cost.tokens * width, hops * m, kind="send_recv", stream=True))
+    cost.comms.append(Comm("pipeline", hops * cost.tokens * width, hops * m, kind="send_recv", stream=stream))
     # the schedule's host overhead, calibrated per stage-microbatch a rank runs (its forward and
     # backward actions, their sends and the schedule's Python): charged per send, pipeline=4 was
     # estimated at 3x its measured step on search_quality's small Llama

@@ -547,27 +547,30 @@ PIPELINE_2X2 = [("parallel_mode", ([("pipeline", 2), ("data", 2)], None)),
                 ("pipeline_parallel", {"num_microbatches": 2}), "expert_parallel"]
 
 
-def _pipelined_expert_traffic() -> dict:
+def _pipelined_expert_traffic(methods: list) -> dict:
     from tests.helpers.comms import step_traffic
     from tests.helpers.hf import CountingTokens
 
-    seen = step_traffic(tiny_moe("mixtral"), PIPELINE_2X2, CountingTokens(), 8)
+    seen = step_traffic(tiny_moe("mixtral"), methods, CountingTokens(), 8)
     return seen.get("other", {}).get("alltoall_base_", (0, 0))
 
 
-def test_in_a_pipeline_stage_the_cost_term_charges_the_stages_blocks_per_microbatch():
+@pytest.mark.parametrize("amp", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_in_a_pipeline_stage_the_cost_term_charges_the_stages_blocks_per_microbatch(amp):
     """Pipeline 2 x data 2, 2 microbatches: each rank runs its stage's one MoE block twice a step,
-    6 all-to-alls each time, with half the step's hidden states (counted on 4 gloo ranks)."""
+    6 all-to-alls each time, with half the step's hidden states (counted on 4 gloo ranks). Under
+    bf16 autocast (-m slow) the dispatched hidden states are the normed residual stream's: fp32."""
     pytest.importorskip("transformers")
     from atorch.auto.plan import resolve_strategy
     from atorch.auto.search.cost import build_cost
     from atorch.auto.strategy import Strategy
     from tests.helpers.hf import SEQ
 
-    measured = run_distributed(_pipelined_expert_traffic, 4)
+    methods = [*PIPELINE_2X2, ("amp_native", "bf16")] if amp else PIPELINE_2X2
+    measured = run_distributed(_pipelined_expert_traffic, 4, methods)
     with torch.device("meta"):
         model = tiny_moe("mixtral")
-    strategy = resolve_strategy(model, Strategy(PIPELINE_2X2))
+    strategy = resolve_strategy(model, Strategy(methods))
     cost = build_cost(model, strategy, {"pipeline": 2, "data": 2}, 2.0, 0, 1e9, 8 // 2 * SEQ)
     [charged] = [c for c in cost.comms if c.method == "expert_parallel"]
     tokens, choices, hidden = 8 // 2 * SEQ, 2, 32

@@ -144,3 +144,41 @@ def test_the_short_form_takes_as_many_microbatches_as_stages_and_a_given_count_s
         strategy, _ = plan_strategy(parse_strategy(written), ranks)
         layout = dict(strategy.items())["mixed_parallel" if "mixed_parallel" in strategy else "pipeline_parallel"]
         assert layout.num_microbatches == microbatches, written
+
+
+class _Vectors(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input": torch.randn(32, generator=torch.Generator().manual_seed(index))}
+
+
+def _linears() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(4)))
+
+
+def _sequential_sends(methods: list) -> tuple[int, int]:
+    from tests.helpers.comms import step_traffic
+
+    seen = step_traffic(_linears(), methods, _Vectors(), 8, loss_func=lambda batch, out: out.float().pow(2).mean())
+    return seen["other"]["send_recv"]  # the pipeline's group is the world's
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_the_sends_of_a_stage_ending_in_a_linear_are_charged_in_the_compute_dtype(amp):
+    """Stages of Linears hand on a matmul's output: bf16 under autocast, half the bytes of fp32
+    (counted on 2 gloo ranks). A decoder's stages hand on the fp32 residual stream instead
+    (tests/methods/test_mixed_parallel_virtual.py). Until 2026-11-29 every stage's sends were
+    charged in the weights' dtype: twice the bytes here under amp."""
+    from atorch.auto.plan import resolve_strategy
+    from atorch.auto.search.cost import build_cost
+
+    methods = [PP2, ("pipeline_parallel", {"num_microbatches": 2}), *([("amp_native", "bf16")] if amp else [])]
+    counted = run_distributed(_sequential_sends, 2, methods)
+    model = _linears()
+    cost = build_cost(model, resolve_strategy(model, Strategy(methods)), {"pipeline": 2}, 2.0, 0, 1e9, 8)
+    charged = [(c.messages, c.elements * cost.comm_element_bytes(c)) for c in cost.comms if c.kind == "send_recv"]
+    assert charged == [counted[0]] and counted[0] == counted[1], (charged, counted)
+    assert counted[0][1] == 4 * 4 * 32 * (2 if amp else 4)  # 2 microbatches each way, of 4 samples of 32
