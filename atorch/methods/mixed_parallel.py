@@ -164,7 +164,7 @@ def cost_term(config: MixedParallelConfig, cost) -> None:
                       else c for c in cost.comms]
     first = len(cost.comms)
     tensor_terms(cost, tensor, sequence_parallel=sequence, activations=False)
-    if cost.size("pipeline") > 1:
+    if cost.size("pipeline") > 1 or config.num_microbatches > 1:  # one stage runs its microbatches too
         _per_microbatch(cost, first, config.num_microbatches, sequence)
 
 

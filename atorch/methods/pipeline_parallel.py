@@ -336,6 +336,7 @@ def pipeline_terms(cost, config: PipelineFields, stages: int, grad_sync: bool = 
     cost.grad_buckets = False  # the pipeline model sums the gradients itself: no DDP
     schedule = check_schedule(config.schedule, config.virtual_pipeline_size)
     if stages <= 1:  # one stage (mixed_parallel's pipeline_size 1): the whole model's buckets
+        cost.op_share *= config.num_microbatches  # its layers run once a microbatch
         if grad_sync:
             sync = once(("sync buckets", id(cost.model)), lambda: _sync_of(_trainable(cost.model, [""])))
             _grad_sync_terms(cost, *sync, sync_window(schedule, 1, config.num_microbatches, 1))

@@ -90,3 +90,38 @@ def test_sequence_parallelism_is_offered_and_checked_where_the_pipeline_splits_a
     finally:
         registry._LAYOUTS.remove(entry)
     assert is_decoder_lm(model)
+
+
+def _one_stage(microbatches: int) -> list:
+    return [("parallel_mode", ([("tensor", 2)], None)),
+            ("mixed_parallel", {"tensor_size": 2, "pipeline_size": 1, "num_microbatches": microbatches})]
+
+
+def _one_stage_traffic(microbatches: int) -> dict:
+    from tests.helpers.comms import step_traffic
+    from tests.helpers.hf import CountingTokens, tiny_llama
+
+    return step_traffic(tiny_llama(), _one_stage(microbatches), CountingTokens(), 8)["tensor"]
+
+
+def test_one_stage_runs_its_tensor_collectives_once_a_microbatch():
+    """mixed_parallel with pipeline_size 1 still splits the batch into its microbatches: each
+    runs the layers' all-reduces and the head's gather (counted on 2 gloo ranks, 2 microbatches:
+    32 all-reduces and 2 gathers of the same bytes as 1 microbatch's 16 and 1). Until 2026-11-29
+    one microbatch's calls were charged."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from atorch.auto.plan import resolve_strategy
+    from atorch.auto.search.cost import build_cost
+    from tests.helpers.hf import SEQ, tiny_llama
+
+    with torch.device("meta"):
+        model = tiny_llama()
+    counted = run_distributed(_one_stage_traffic, 2, 2)[0]
+    cost = build_cost(model, resolve_strategy(model, Strategy(_one_stage(2))), {"tensor": 2}, 2.0, 0, 1e9, 8 * SEQ)
+    charged: dict = {}
+    for comm in cost.comms:
+        calls, payload = charged.get(comm.kind, (0, 0))
+        charged[comm.kind] = (calls + comm.messages, payload + comm.elements * cost.comm_element_bytes(comm))
+    assert charged == {kind: pytest.approx(seen) for kind, seen in counted.items()}, (charged, counted)
