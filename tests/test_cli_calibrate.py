@@ -7,7 +7,7 @@ import pytest
 from atorch.cli.main import main
 
 
-def test_calibrate_one_rank_caches_reuses_and_refreshes(tmp_path, capsys):
+def test_calibrate_one_rank_caches_and_reuses(tmp_path, capsys):
     assert main(["calibrate", "--nproc", "1", "--cache-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     path = tmp_path / "cpu-world1.json"
@@ -16,6 +16,14 @@ def test_calibrate_one_rank_caches_reuses_and_refreshes(tmp_path, capsys):
     assert main(["calibrate", "--nproc", "1", "--cache-dir", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == json.loads(written)  # read back, not measured again
     assert path.read_text() == written
+
+
+@pytest.mark.slow  # -m slow (6 s): a second measurement; by default the one above measures and reads back
+def test_calibrate_refresh_measures_again_and_rewrites_the_file(tmp_path, capsys):
+    assert main(["calibrate", "--nproc", "1", "--cache-dir", str(tmp_path), "--json"]) == 0
+    path = tmp_path / "cpu-world1.json"
+    written = path.read_text()
+    capsys.readouterr()
     # --refresh measures again and rewrites the file (the rates of two measurements differ)
     assert main(["calibrate", "--nproc", "1", "--cache-dir", str(tmp_path), "--refresh", "--json"]) == 0
     refreshed = json.loads(capsys.readouterr().out)
