@@ -335,13 +335,6 @@ def pipeline_terms(cost, config: PipelineFields, stages: int, grad_sync: bool = 
 
     cost.grad_buckets = False  # the pipeline model sums the gradients itself: no DDP
     schedule = check_schedule(config.schedule, config.virtual_pipeline_size)
-    if stages <= 1:  # one stage (mixed_parallel's pipeline_size 1): the whole model's buckets
-        cost.op_share *= config.num_microbatches  # its layers run once a microbatch
-        if grad_sync:
-            sync = once(("sync buckets", id(cost.model)), lambda: _sync_of(_trainable(cost.model, [""])))
-            _grad_sync_terms(cost, *sync, sync_window(schedule, 1, config.num_microbatches, 1))
-            cost.sync_window["reduce_scatter"] = 0.0
-        return
     cuts = None if config.pipeline_cuts is None else tuple(config.pipeline_cuts)
     ranges = once(("stage_ranges", id(cost.model), stages, config.virtual_pipeline_size, cuts),
                   lambda: stage_ranges(cost.model, config, stages))
@@ -384,8 +377,10 @@ def pipeline_terms(cost, config: PipelineFields, stages: int, grad_sync: bool = 
     # (tests/methods/test_mixed_parallel_virtual.py): 2 v had been charged, 12 against 8 for
     # tensor=2 x pipeline=2 with 2 virtual stages and 2 microbatches, 16 against 8 for a middle
     # rank of pipeline=4 with 4.
-    hops = 4 * v - (2 if stages == 2 else 0)
-    cost.comms.append(Comm("pipeline", hops * cost.tokens * width, hops * m, kind="send_recv", stream=stream))
+    hops = 4 * v - (2 if stages == 2 else 0) if stages > 1 else 0  # one stage (mixed_parallel's): none
+    if hops:
+        cost.comms.append(Comm("pipeline", hops * cost.tokens * width, hops * m, kind="send_recv",
+                               stream=stream))
     # the schedule's host overhead, calibrated per stage-microbatch a rank runs (its forward and
     # backward actions, their sends and the schedule's Python): charged per send, pipeline=4 was
     # estimated at 3x its measured step on search_quality's small Llama
