@@ -113,3 +113,34 @@ def test_a_pipeline_planned_on_meta_counts_the_stage_gradients_beside_its_microb
     peaks = run_distributed(_pipeline_real_and_planned, 2)[0]
     assert 0.9 <= peaks["planned"] / peaks["measured"] <= 1.1, peaks
     assert 0.9 <= peaks["planned"] / peaks["estimated"] <= 1.1, peaks
+
+
+def _gpt2_probe(dropout: float) -> tuple[int, float]:
+    """(saved bytes, traffic) of a tiny GPT-2's step on meta under the plan's kernel probe."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=dropout,
+                        embd_pdrop=dropout, attn_pdrop=0.0)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config)
+    model.train()
+    ids = torch.zeros(2, 64, dtype=torch.long, device="meta")
+    counted: list = []
+    with FlashAttentionProbe():
+        saved = cost.activation_bytes(model, resolve_strategy(model, Strategy([])), {"input_ids": ids, "labels": ids},
+                                      "unpack_dict", None, CPU, counted, memo=None)
+    return saved, counted[6]
+
+
+def test_dropout_on_meta_saves_and_moves_what_a_gpus_fused_kernel_does():
+    """A GPU runs dropout as one kernel (``native_dropout``) that saves a bool mask and writes the
+    output beside it; meta and CPU tensors ran it unfused, an fp32 noise tensor drawn, scaled,
+    multiplied in and saved. A tiny GPT-2's 5 dropouts (embeddings; each block's attention output
+    and MLP) of 2 x 64 x 64 elements each add one byte an element saved, and a read, a write and
+    the mask's byte moved. Until 2026-11-29: 4 bytes saved and 28 moved an element."""
+    pytest.importorskip("transformers")
+    elements = 5 * 2 * 64 * 64
+    without, moved_without = _gpt2_probe(0.0)
+    with_dropout, moved = _gpt2_probe(0.1)
+    assert with_dropout - without == elements
+    assert moved - moved_without == elements * (4 + 4 + 1)
