@@ -33,7 +33,10 @@ class FlashAttentionProbe(TorchFunctionMode):
         q, k, v = bound["query"], bound["key"], bound["value"]
         if bound.get("attn_mask") is not None or q.dim() != 4:
             return func(*args, **kwargs)
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: the kernel takes as many k/v heads as q
+        # grouped-query attention (enable_gqa): a GPU's flash kernel reads the k/v heads as they are
+        # and saves them so; the meta op takes them so too (expanded, a Llama's saved k and v had
+        # been counted at q's heads: 1.05x a small Llama's saved bytes, until 2026-11-29)
+        if k.shape[1] != q.shape[1] and not q.is_meta:  # other devices' op wants as many as q
             k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
         out = torch.ops.aten._scaled_dot_product_flash_attention(

@@ -2,6 +2,7 @@
 the weights: checked against the real-tensor probe, a measured CPU peak, and Korthikanti et al.'s
 count for a 7B model."""
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -144,3 +145,25 @@ def test_dropout_on_meta_saves_and_moves_what_a_gpus_fused_kernel_does():
     with_dropout, moved = _gpt2_probe(0.1)
     assert with_dropout - without == elements
     assert moved - moved_without == elements * (4 + 4 + 1)
+
+
+def test_grouped_query_attention_on_meta_saves_k_and_v_at_their_own_heads():
+    """With enable_gqa (Hugging Face passes it where no mask is given) the fused kernels of a CPU
+    and of a GPU's flash attention read k and v at their own heads and save them so. The meta probe
+    expanded them to q's heads first: 1.05x a small GQA Llama's saved bytes (until 2026-11-29)."""
+    transformers = pytest.importorskip("transformers")
+
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    saved = {}
+    for device in ("meta", "cpu"):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(config)
+        model.train()
+        ids = torch.randint(0, 1024, (1, 256)).to(device)
+        probe = FlashAttentionProbe() if device == "meta" else contextlib.nullcontext()
+        with probe:
+            saved[device] = cost.activation_bytes(model, resolve_strategy(model, Strategy([])),
+                                                  {"input_ids": ids, "labels": ids}, "unpack_dict", None, CPU)
+    assert saved["meta"] == pytest.approx(saved["cpu"], rel=0.002), saved
