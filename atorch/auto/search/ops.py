@@ -28,39 +28,19 @@ def _cpu_flash_formula():
     return shape_wrapper(_cpu_flash_attention_flops)
 
 
-def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    """A grouped matmul (transformers' fused experts): a 2-D input whose rows the offsets split
-    over a 3-D stack of weights (S x K by E x K x N: 2 S K N FLOPs, however the rows split), or a
-    batch of matmuls; two 2-D operands grouped along K (a weight's gradient) make E outputs of
-    M x N over K in all."""
-    import math
-
-    if len(a_shape) == 2 and len(b_shape) == 2:
-        return 2 * math.prod(out_shape[1:]) * a_shape[-1]
-    return 2 * math.prod(out_shape) * a_shape[-1]
-
-
-@functools.cache
-def _grouped_mm_formula():
-    from torch.utils.flop_counter import shape_wrapper
-
-    return shape_wrapper(_grouped_mm_flops)
-
-
 def _formulas() -> tuple[dict, frozenset]:
     """torch's FLOP formulas by operator as they stand now (``register_flop_formula`` may add
     some), plus those torch's table leaves out: the CPU's fused attention kernel (without it a
-    probe on a CPU counted none of a Llama's attention FLOPs) and the grouped matmuls of
-    transformers' fused experts (without them none of a MoE's expert FLOPs, off the meta device);
-    and the operators among them that are attention's."""
+    probe on a CPU counted none of a Llama's attention FLOPs) and the operators of
+    :mod:`atorch.auto.search.flop_formulas` (a MoE's grouped matmuls, fused fast paths, recurrent
+    kernels); and the operators among them that are attention's."""
     import torch
     from torch.utils.flop_counter import flop_registry
 
-    formulas = {**flop_registry, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_formula(),
-                torch.ops.aten._grouped_mm: _grouped_mm_formula()}
-    fallback = getattr(torch.ops.transformers, "grouped_mm_fallback", None)  # where grouped_mm cannot run
-    if fallback is not None:
-        formulas[fallback] = _grouped_mm_formula()
+    from atorch.auto.search.flop_formulas import extra_formulas
+
+    formulas = {**flop_registry, **extra_formulas(),
+                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_formula()}
     attention = frozenset(op for op in formulas if "scaled_dot_product" in str(op))
     return formulas, attention
 

@@ -86,3 +86,46 @@ def test_a_fused_moes_expert_flops_count_on_a_real_device_as_at_their_expected_l
     assert real.flops == expected.flops > 0
     experts = sum(p.numel() for name, p in meta.named_parameters() if ".experts." in name)
     assert real.flops > 2 * ids.numel() * 2 * experts / 4  # the pairs' expert FLOPs: 2 choices of 4 experts
+
+
+class _SelfAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention = torch.nn.MultiheadAttention(64, 4, batch_first=True)
+
+    def forward(self, x):
+        return self.attention(x, x, x, need_weights=False)[0]
+
+
+FUSED = {  # models whose real-device forward runs a fused kernel torch's FLOP table leaves out
+    "lstm": (lambda: torch.nn.LSTM(32, 64, num_layers=2), (16, 4, 32)),  # mkldnn_rnn_layer
+    "bidirectional lstm": (lambda: torch.nn.LSTM(32, 64, num_layers=2, bidirectional=True, batch_first=True),
+                           (4, 16, 32)),
+    # frozen, in eval mode: torch's fast paths (_transformer_encoder_layer_fwd, _native_multi_head_attention)
+    "frozen encoder": (lambda: torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True),
+                                                           2, enable_nested_tensor=False), (2, 32, 64)),
+    "frozen attention": (_SelfAttention, (2, 32, 64)),
+}
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_a_fused_kernels_flops_count_on_a_real_device_as_its_matmuls_do_on_meta(name):
+    """On meta tensors these layers decompose into matmuls, which torch's table counts; on a CPU
+    they run one fused kernel each, which it does not: a 2-layer LSTM language model's probe had
+    counted only its head, a frozen encoder none (until 2026-11-29)."""
+    build, shape = FUSED[name]
+    counts = {}
+    for device in ("cpu", "meta"):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = build().eval().requires_grad_(False)
+        with torch.no_grad(), ops.OpCounter(count_traffic=False) as counted:
+            model(torch.randn(shape).to(device))
+        counts[device] = counted.flops
+    assert counts["cpu"] == counts["meta"] > 0, counts
+
+
+def test_a_matrix_vector_product_counts_its_multiply_adds():
+    with ops.OpCounter(count_traffic=False) as counted:
+        torch.randn(8, 16, 32) @ torch.randn(32)
+    assert counted.flops == 2 * 8 * 16 * 32

@@ -1,0 +1,101 @@
+"""FLOP formulas for the operators torch's table (``torch.utils.flop_counter``) leaves out, which
+a probe on a real device reaches: without them a probe counted their FLOPs as 0, where the same
+model on meta tensors (decomposed into matmuls) counted them all (tests/auto/search/test_ops.py).
+
+- grouped matmuls: transformers' fused MoE experts (``_grouped_mm``, and its fallback op);
+- fused fast paths torch takes where nothing needs a gradient (a frozen encoder in eval mode):
+  ``_native_multi_head_attention``, ``_transformer_encoder_layer_fwd``;
+- recurrent layers' fused kernels: ``mkldnn_rnn_layer`` (CPU), ``_cudnn_rnn``, ``miopen_rnn``;
+- matrix-vector products and the rest of the matmul family: ``mv``, ``addmv``, ``addbmm``,
+  ``_int_mm``, ``_scaled_mm_v2``.
+
+Each counts 2 FLOPs a multiply-add, as torch's own formulas do. Every formula takes the shapes
+``torch.utils.flop_counter.shape_wrapper`` gives (a tensor's shape, a list's shapes).
+"""
+
+import functools
+import math
+
+import torch
+
+
+def _grouped_mm(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """A 2-D input whose rows the offsets split over a 3-D stack of weights (S x K by E x K x N:
+    2 S K N, however the rows split), or a batch of matmuls; two 2-D operands grouped along K (a
+    weight's gradient) make E outputs of M x N over K in all."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * math.prod(out_shape[1:]) * a_shape[-1]
+    return 2 * math.prod(out_shape) * a_shape[-1]
+
+
+def _attention_flops(batch: int, queries: int, keys: int, width: int) -> int:
+    """Scores and their weighted sum: 2 x (batch x queries x keys x width) multiply-adds."""
+    return 4 * batch * queries * keys * width
+
+
+def _native_mha(query, key, value, embed_dim, num_head, qkv_weight, *args, out_shape=None, **kwargs) -> int:
+    """nn.MultiheadAttention's fast path (batch first): q, k and v projected, attended, the output
+    projected."""
+    batch, queries, width = query
+    keys = key[1]
+    projections = 2 * batch * width * width * (queries + 2 * keys + queries)
+    return projections + _attention_flops(batch, queries, keys, width)
+
+
+def _encoder_layer(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, use_gelu, norm_first,
+                   eps, norm_weight_1, norm_bias_1, norm_weight_2, norm_bias_2, ffn_weight_1, ffn_bias_1, ffn_weight_2,
+                   *args, out_shape=None, **kwargs) -> int:
+    """nn.TransformerEncoderLayer's fast path (batch first): attention and the feed-forward."""
+    batch, tokens, width = src
+    weights = math.prod(qkv_weight) + math.prod(proj_weight) + math.prod(ffn_weight_1) + math.prod(ffn_weight_2)
+    return 2 * batch * tokens * weights + _attention_flops(batch, tokens, tokens, width)
+
+
+def _mkldnn_rnn_layer(input, weight0, weight1, *args, out_shape=None, **kwargs) -> int:
+    """One layer and direction of an LSTM or GRU on a CPU: its input and hidden weights (gates x
+    hidden rows) applied at every step of every sequence."""
+    return 2 * math.prod(input[:-1]) * (math.prod(weight0) + math.prod(weight1))
+
+
+def _fused_rnn(input, weight, *args, out_shape=None, **kwargs) -> int:
+    """cuDNN's (or MIOpen's) whole RNN: every layer's and direction's matrices (the 2-D weights;
+    biases are 1-D) applied at every step of every sequence."""
+    steps = math.prod(input[:-1])
+    return 2 * steps * sum(math.prod(shape) for shape in weight if len(shape) == 2)
+
+
+def _mv(matrix, vector, *args, out_shape=None, **kwargs) -> int:
+    return 2 * math.prod(matrix)
+
+
+def _addmv(bias, matrix, vector, *args, out_shape=None, **kwargs) -> int:
+    return 2 * math.prod(matrix)
+
+
+def _addbmm(bias, batch1, batch2, *args, out_shape=None, **kwargs) -> int:
+    return 2 * math.prod(batch1) * batch2[-1]
+
+
+def _mm(a, b, *args, out_shape=None, **kwargs) -> int:
+    return 2 * math.prod(a) * b[-1]
+
+
+@functools.cache
+def _wrapped(formula):
+    from torch.utils.flop_counter import shape_wrapper
+
+    return shape_wrapper(formula)
+
+
+def extra_formulas() -> dict:
+    """The formulas above by operator, as ``OpCounter`` looks them up (transformers' fallback op
+    once transformers has registered it)."""
+    aten = torch.ops.aten
+    formulas = {aten._grouped_mm: _grouped_mm, aten._native_multi_head_attention: _native_mha,
+                aten._transformer_encoder_layer_fwd: _encoder_layer, aten.mkldnn_rnn_layer: _mkldnn_rnn_layer,
+                aten._cudnn_rnn: _fused_rnn, aten.miopen_rnn: _fused_rnn, aten.mv: _mv, aten.addmv: _addmv,
+                aten.addbmm: _addbmm, aten._int_mm: _mm, aten._scaled_mm_v2: _mm}
+    fallback = getattr(torch.ops.transformers, "grouped_mm_fallback", None)  # where grouped_mm cannot run
+    if fallback is not None:
+        formulas[fallback] = _grouped_mm
+    return {op: _wrapped(formula) for op, formula in formulas.items()}
