@@ -136,17 +136,21 @@ def ineligible(model: torch.nn.Module, config: PipelineParallelConfig, job: Layo
 
 def _boundary_width(model: torch.nn.Module, names: list[str]) -> tuple[int, bool]:
     """(features of the hidden state a stage hands the next, whether it is in the weights' dtype
-    under autocast). A decoder's residual stream is (autocast adds the bf16 branch outputs to it
-    in fp32), and so is a norm's or an embedding's output; a stage that ends in a Linear hands on
-    its matmul's output, in the compute dtype (counted on 2 gloo ranks:
-    tests/methods/test_pipeline_parallel.py)."""
+    under autocast). A stage whose last unit is a Linear (an activation after it keeps its dtype)
+    hands on its matmul's output, in the compute dtype; a block (a decoder's layer, any unit that
+    holds its layers) hands on its residual stream, to which autocast adds the bf16 branch outputs
+    in fp32, and an embedding its weights' dtype (both counted on gloo ranks:
+    tests/methods/test_pipeline_parallel.py, test_mixed_parallel_virtual.py)."""
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     if hidden:
         return int(hidden), True
     for name in reversed(names):
-        for module in reversed(list(model.get_submodule(name).modules())):
+        unit = model.get_submodule(name)
+        if isinstance(unit, torch.nn.Linear):
+            return unit.out_features, False
+        for module in reversed(list(unit.modules())):  # a block: the width of its last layer
             if isinstance(module, torch.nn.Linear):
-                return module.out_features, False
+                return module.out_features, True
             if isinstance(module, torch.nn.Embedding):
                 return module.embedding_dim, True
             if isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)) and module.normalized_shape:

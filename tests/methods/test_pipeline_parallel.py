@@ -159,26 +159,36 @@ def _linears() -> torch.nn.Sequential:
     return torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(4)))
 
 
-def _sequential_sends(methods: list) -> tuple[int, int]:
+def _sends(methods: list, blocks: bool) -> tuple[int, int]:
     from tests.helpers.comms import step_traffic
+    from tests.helpers.models import TinyTransformer, TokenDataset, lm_loss
 
-    seen = step_traffic(_linears(), methods, _Vectors(), 8, loss_func=lambda batch, out: out.float().pow(2).mean())
+    if blocks:
+        torch.manual_seed(0)
+        seen = step_traffic(TinyTransformer(), methods, TokenDataset(), 8, loss_func=lm_loss)
+    else:
+        seen = step_traffic(_linears(), methods, _Vectors(), 8, loss_func=lambda batch, out: out.float().pow(2).mean())
     return seen["other"]["send_recv"]  # the pipeline's group is the world's
 
 
+@pytest.mark.parametrize("blocks", [False, True], ids=["linears", "blocks"])
 @pytest.mark.parametrize("amp", [False, True])
-def test_the_sends_of_a_stage_ending_in_a_linear_are_charged_in_the_compute_dtype(amp):
-    """Stages of Linears hand on a matmul's output: bf16 under autocast, half the bytes of fp32
-    (counted on 2 gloo ranks). A decoder's stages hand on the fp32 residual stream instead
-    (tests/methods/test_mixed_parallel_virtual.py). Until 2026-11-29 every stage's sends were
-    charged in the weights' dtype: twice the bytes here under amp."""
+def test_the_sends_are_charged_in_the_dtype_the_stages_hand_on(amp, blocks):
+    """Stages of Linears hand on a matmul's output: bf16 under autocast, half the bytes of fp32.
+    Stages of blocks hand on their residual stream, which autocast leaves in fp32 (as a
+    decoder's: tests/methods/test_mixed_parallel_virtual.py). Counted on 2 gloo ranks. Until
+    2026-11-29 every stage's sends were charged in the weights' dtype: twice the bytes of the
+    Linears' under amp."""
     from atorch.auto.plan import resolve_strategy
     from atorch.auto.search.cost import build_cost
+    from tests.helpers.models import SEQ, TinyTransformer
 
     methods = [PP2, ("pipeline_parallel", {"num_microbatches": 2}), *([("amp_native", "bf16")] if amp else [])]
-    counted = run_distributed(_sequential_sends, 2, methods)
-    model = _linears()
-    cost = build_cost(model, resolve_strategy(model, Strategy(methods)), {"pipeline": 2}, 2.0, 0, 1e9, 8)
+    counted = run_distributed(_sends, 2, methods, blocks)
+    model = TinyTransformer() if blocks else _linears()
+    tokens = 8 * SEQ if blocks else 8
+    cost = build_cost(model, resolve_strategy(model, Strategy(methods)), {"pipeline": 2}, 2.0, 0, 1e9, tokens)
     charged = [(c.messages, c.elements * cost.comm_element_bytes(c)) for c in cost.comms if c.kind == "send_recv"]
     assert charged == [counted[0]] and counted[0] == counted[1], (charged, counted)
-    assert counted[0][1] == 4 * 4 * 32 * (2 if amp else 4)  # 2 microbatches each way, of 4 samples of 32
+    # 2 microbatches each way, each of half the batch's tokens, 32 features
+    assert counted[0][1] == 4 * tokens // 2 * 32 * (2 if amp and not blocks else 4)
