@@ -114,6 +114,11 @@ _ALLOCATIONS = {torch.ops.aten.empty_like, torch.ops.aten.empty, torch.ops.aten.
                 torch.ops.aten.empty_strided, torch.ops.aten.new_empty_strided}
 
 
+_GATHERS = {torch.ops.aten.index, torch.ops.aten.index_select, torch.ops.aten.gather}
+_SCATTERS = {torch.ops.aten.index_add_, torch.ops.aten.index_put_, torch.ops.aten.scatter_add_,
+             torch.ops.aten.scatter_, torch.ops.aten.index_copy_}
+
+
 def traffic(func, inputs, out, weights: set) -> int:
     """Bytes an operator without FLOPs (element-wise, a normalization, a reduction, a softmax, a
     gather) reads and writes: its tensor inputs' and outputs', in their dtypes. On a GPU such
@@ -124,7 +129,9 @@ def traffic(func, inputs, out, weights: set) -> int:
     does count), a weight's elements (a gather reads the rows it returns, counted as its output),
     an operator on weights alone (autocast's cast of a weight: once a step, not once a sample),
     and an allocation (``empty_like``: atorch's tensor layers make the buffers an all-gather
-    fills; it reads and writes nothing).
+    fills; it reads and writes nothing). A gather from activations (``x[index]``: a MoE block's
+    tokens for one expert) reads only the rows it returns, and a scatter into them
+    (``index_add_``) reads and writes only the rows it adds to: not the whole tensor.
 
     >>> import torch
     >>> x, w = torch.ones(4, 8), torch.ones(8)
@@ -137,6 +144,11 @@ def traffic(func, inputs, out, weights: set) -> int:
     0
     >>> traffic(torch.ops.aten.empty_like.default, ((x,), {}), torch.empty_like(x), keys)
     0
+    >>> rows = torch.tensor([1, 3])  # 2 of x's 4 rows: 64 bytes read and written, 16 of index
+    >>> traffic(torch.ops.aten.index.Tensor, ((x, [rows]), {}), x[rows], keys)
+    144
+    >>> traffic(torch.ops.aten.index_add_.default, ((x, 0, rows, x[rows]), {}), x, keys)
+    208
     """
     from torch.utils._pytree import tree_leaves
 
@@ -151,7 +163,27 @@ def traffic(func, inputs, out, weights: set) -> int:
         return 0
     if not func._schema.is_mutable and any(_key(t) in keys for t in outputs):
         return 0
+    sparse = _sparse_traffic(func._overloadpacket, tensors, outputs, keys[0] in weights)
+    if sparse is not None:
+        return sparse
     return sum(t.numel() * t.element_size() for t in (*read, *outputs))
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _sparse_traffic(op, tensors: list, outputs: list, from_weights: bool) -> int | None:
+    """A gather's bytes from activations (the rows it returns, read and written, and its index)
+    or a scatter's into them (the rows it adds to, read and written, its source and index); None
+    for any other operator, or a gather from weights (its rows counted as its output alone)."""
+    if op in _GATHERS and not from_weights:
+        return 2 * _bytes(outputs) + _bytes(t for t in tensors[1:] if not t.is_floating_point())
+    if op in _SCATTERS:
+        rest = tensors[1:]
+        source = _bytes(t for t in rest if t.is_floating_point())
+        return 3 * source + _bytes(t for t in rest if not t.is_floating_point())
+    return None
 
 
 def _key(tensor) -> int:
