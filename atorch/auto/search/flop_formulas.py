@@ -7,7 +7,7 @@ model on meta tensors (decomposed into matmuls) counted them all (tests/auto/sea
   ``_native_multi_head_attention``, ``_transformer_encoder_layer_fwd``;
 - recurrent layers' fused kernels: ``mkldnn_rnn_layer`` (CPU), ``_cudnn_rnn``, ``miopen_rnn``;
 - matrix-vector products and the rest of the matmul family: ``mv``, ``addmv``, ``addbmm``,
-  ``_int_mm``, ``_scaled_mm_v2``.
+  ``_int_mm``, ``_scaled_mm_v2``, nn.Bilinear's ``_trilinear``.
 
 Each counts 2 FLOPs a multiply-add, as torch's own formulas do. Every formula takes the shapes
 ``torch.utils.flop_counter.shape_wrapper`` gives (a tensor's shape, a list's shapes).
@@ -64,6 +64,18 @@ def _fused_rnn(input, weight, *args, out_shape=None, **kwargs) -> int:
     return 2 * steps * sum(math.prod(shape) for shape in weight if len(shape) == 2)
 
 
+def _trilinear(i1, i2, i3, expand1, expand2, expand3, *args, out_shape=None, **kwargs) -> int:
+    """nn.Bilinear's kernel: the three operands, each unsqueezed where ``expand`` says, multiplied
+    over their broadcast shape and summed: 2 FLOPs an element of it."""
+    shapes = []
+    for shape, expand in ((i1, expand1), (i2, expand2), (i3, expand3)):
+        full = list(shape)
+        for dim in sorted(expand):
+            full.insert(dim, 1)
+        shapes.append(full)
+    return 2 * math.prod(max(sizes) for sizes in zip(*shapes))
+
+
 def _mv(matrix, vector, *args, out_shape=None, **kwargs) -> int:
     return 2 * math.prod(matrix)
 
@@ -94,7 +106,7 @@ def extra_formulas() -> dict:
     formulas = {aten._grouped_mm: _grouped_mm, aten._native_multi_head_attention: _native_mha,
                 aten._transformer_encoder_layer_fwd: _encoder_layer, aten.mkldnn_rnn_layer: _mkldnn_rnn_layer,
                 aten._cudnn_rnn: _fused_rnn, aten.miopen_rnn: _fused_rnn, aten.mv: _mv, aten.addmv: _addmv,
-                aten.addbmm: _addbmm, aten._int_mm: _mm, aten._scaled_mm_v2: _mm}
+                aten.addbmm: _addbmm, aten._int_mm: _mm, aten._scaled_mm_v2: _mm, aten._trilinear: _trilinear}
     fallback = getattr(torch.ops.transformers, "grouped_mm_fallback", None)  # where grouped_mm cannot run
     if fallback is not None:
         formulas[fallback] = _grouped_mm

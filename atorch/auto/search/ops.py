@@ -114,6 +114,9 @@ _ALLOCATIONS = {torch.ops.aten.empty_like, torch.ops.aten.empty, torch.ops.aten.
                 torch.ops.aten.empty_strided, torch.ops.aten.new_empty_strided}
 
 
+_WRITES = {torch.ops.aten.zeros_like, torch.ops.aten.ones_like, torch.ops.aten.full_like, torch.ops.aten.rand_like,
+           torch.ops.aten.randn_like, torch.ops.aten.new_zeros, torch.ops.aten.new_ones, torch.ops.aten.new_full,
+           torch.ops.aten.zero_, torch.ops.aten.fill_}
 _GATHERS = {torch.ops.aten.index, torch.ops.aten.index_select, torch.ops.aten.gather}
 _SCATTERS = {torch.ops.aten.index_add_, torch.ops.aten.index_put_, torch.ops.aten.scatter_add_,
              torch.ops.aten.scatter_, torch.ops.aten.index_copy_}
@@ -129,7 +132,9 @@ def traffic(func, inputs, out, weights: set) -> int:
     does count), a weight's elements (a gather reads the rows it returns, counted as its output),
     an operator on weights alone (autocast's cast of a weight: once a step, not once a sample),
     and an allocation (``empty_like``: atorch's tensor layers make the buffers an all-gather
-    fills; it reads and writes nothing). A gather from activations (``x[index]``: a MoE block's
+    fills; it reads and writes nothing). An operator that reads no tensor (``zeros``,
+    ``arange``), or only another's shape (``zeros_like``, ``fill_``), writes its output; ``copy_``
+    reads its source and writes its destination. A gather from activations (``x[index]``: a MoE block's
     tokens for one expert) reads only the rows it returns, and a scatter into them
     (``index_add_``) reads and writes only the rows it adds to: not the whole tensor.
 
@@ -144,6 +149,10 @@ def traffic(func, inputs, out, weights: set) -> int:
     0
     >>> traffic(torch.ops.aten.empty_like.default, ((x,), {}), torch.empty_like(x), keys)
     0
+    >>> traffic(torch.ops.aten.zeros_like.default, ((x,), {}), torch.zeros_like(x), keys)
+    128
+    >>> traffic(torch.ops.aten.copy_.default, ((x, x.clone()), {}), x, keys)
+    256
     >>> rows = torch.tensor([1, 3])  # 2 of x's 4 rows: 64 bytes read and written, 16 of index
     >>> traffic(torch.ops.aten.index.Tensor, ((x, [rows]), {}), x[rows], keys)
     144
@@ -157,6 +166,10 @@ def traffic(func, inputs, out, weights: set) -> int:
 
     tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    if not tensors or func._overloadpacket in _WRITES:  # made from nothing it reads: written only
+        return _bytes(outputs)
+    if func._overloadpacket is torch.ops.aten.copy_:  # the source read, the destination written
+        return 2 * _bytes(outputs)
     keys = [_key(t) for t in tensors]
     read = [t for t, key in zip(tensors, keys, strict=True) if key not in weights]
     if not read:

@@ -125,17 +125,20 @@ def test_a_fused_kernels_flops_count_on_a_real_device_as_its_matmuls_do_on_meta(
     assert counts["cpu"] == counts["meta"] > 0, counts
 
 
-def test_a_matrix_vector_product_counts_its_multiply_adds():
+def test_a_matrix_vector_product_and_a_bilinear_layer_count_their_multiply_adds():
     with ops.OpCounter(count_traffic=False) as counted:
         torch.randn(8, 16, 32) @ torch.randn(32)
     assert counted.flops == 2 * 8 * 16 * 32
+    with torch.no_grad(), ops.OpCounter(count_traffic=False) as counted:
+        torch.nn.Bilinear(8, 6, 5)(torch.randn(4, 8), torch.randn(4, 6))  # aten._trilinear: 0 before
+    assert counted.flops == 2 * 4 * 5 * 8 * 6
 
 
 def test_a_moe_blocks_expert_loop_moves_the_rows_it_routes_not_the_whole_batch_each_time():
     """transformers' eager experts gather each expert's tokens (``x[index]``) and add its output
     back (``index_add_``) expert by expert: each reads and writes the rows it routes. Counted as
     whole tensors, 60 experts' loop moved 3.0x the bytes the grouped-matmul path moves for the
-    same routing (until 2026-11-29); now 1.15x, the loop's own one-hot mask and searches."""
+    same routing (until 2026-11-29); now 1.21x, the loop's own buffers, one-hot mask and searches."""
     transformers = pytest.importorskip("transformers")
 
     torch.manual_seed(0)
@@ -151,4 +154,4 @@ def test_a_moe_blocks_expert_loop_moves_the_rows_it_routes_not_the_whole_batch_e
         with torch.no_grad(), ops.OpCounter(weights) as counted:
             model(input_ids=ids)
         moved[implementation] = counted.traffic
-    assert moved["grouped_mm"] < moved["eager"] < 1.2 * moved["grouped_mm"], moved
+    assert moved["grouped_mm"] < moved["eager"] < 1.3 * moved["grouped_mm"], moved
