@@ -28,27 +28,29 @@ def _grouped_mm(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     return 2 * math.prod(out_shape) * a_shape[-1]
 
 
-def _attention_flops(batch: int, queries: int, keys: int, width: int) -> int:
-    """Scores and their weighted sum: 2 x (batch x queries x keys x width) multiply-adds."""
-    return 4 * batch * queries * keys * width
+def _lengths(x: torch.Tensor) -> list[int]:
+    """The sequence lengths of a batch-first input: a nested tensor's own (a padding mask makes
+    one in the fast paths), else the padded length of each sequence."""
+    if x.is_nested:
+        return [int(size[0]) for size in x._nested_tensor_size()]
+    return [x.shape[1]] * x.shape[0]
 
 
-def _native_mha(query, key, value, embed_dim, num_head, qkv_weight, *args, out_shape=None, **kwargs) -> int:
-    """nn.MultiheadAttention's fast path (batch first): q, k and v projected, attended, the output
-    projected."""
-    batch, queries, width = query
-    keys = key[1]
-    projections = 2 * batch * width * width * (queries + 2 * keys + queries)
-    return projections + _attention_flops(batch, queries, keys, width)
+def _native_mha(query, key, value, embed_dim, num_head, qkv_weight, *args, out_val=None, **kwargs) -> int:
+    """nn.MultiheadAttention's fast path (batch first): q, k and v projected (each width x width),
+    the scores and their weighted sum, the output projected; 2 FLOPs a multiply-add."""
+    width = qkv_weight.shape[-1]
+    return sum(2 * width * width * (2 * q + 2 * k) + 4 * q * k * width
+               for q, k in zip(_lengths(query), _lengths(key), strict=True))
 
 
 def _encoder_layer(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, use_gelu, norm_first,
                    eps, norm_weight_1, norm_bias_1, norm_weight_2, norm_bias_2, ffn_weight_1, ffn_bias_1, ffn_weight_2,
-                   *args, out_shape=None, **kwargs) -> int:
+                   *args, out_val=None, **kwargs) -> int:
     """nn.TransformerEncoderLayer's fast path (batch first): attention and the feed-forward."""
-    batch, tokens, width = src
-    weights = math.prod(qkv_weight) + math.prod(proj_weight) + math.prod(ffn_weight_1) + math.prod(ffn_weight_2)
-    return 2 * batch * tokens * weights + _attention_flops(batch, tokens, tokens, width)
+    weights = sum(w.numel() for w in (qkv_weight, proj_weight, ffn_weight_1, ffn_weight_2))
+    width = qkv_weight.shape[-1]
+    return sum(2 * length * weights + 4 * length * length * width for length in _lengths(src))
 
 
 def _mkldnn_rnn_layer(input, weight0, weight1, *args, out_shape=None, **kwargs) -> int:
@@ -99,15 +101,24 @@ def _wrapped(formula):
     return shape_wrapper(formula)
 
 
+# by shapes (torch's shape_wrapper), or (the fast paths, whose inputs may be nested) by tensors
+_BY_SHAPES = {"_grouped_mm": _grouped_mm, "mkldnn_rnn_layer": _mkldnn_rnn_layer, "_cudnn_rnn": _fused_rnn,
+              "miopen_rnn": _fused_rnn, "mv": _mv, "addmv": _addmv, "addbmm": _addbmm, "_int_mm": _mm,
+              "_scaled_mm_v2": _mm, "_trilinear": _trilinear}
+_BY_TENSORS = {"_native_multi_head_attention": _native_mha, "_transformer_encoder_layer_fwd": _encoder_layer}
+
+
 def extra_formulas() -> dict:
-    """The formulas above by operator, as ``OpCounter`` looks them up (transformers' fallback op
-    once transformers has registered it)."""
-    aten = torch.ops.aten
-    formulas = {aten._grouped_mm: _grouped_mm, aten._native_multi_head_attention: _native_mha,
-                aten._transformer_encoder_layer_fwd: _encoder_layer, aten.mkldnn_rnn_layer: _mkldnn_rnn_layer,
-                aten._cudnn_rnn: _fused_rnn, aten.miopen_rnn: _fused_rnn, aten.mv: _mv, aten.addmv: _addmv,
-                aten.addbmm: _addbmm, aten._int_mm: _mm, aten._scaled_mm_v2: _mm, aten._trilinear: _trilinear}
+    """The formulas above by operator, as ``OpCounter`` looks them up: those this torch has
+    (``_grouped_mm`` and ``_scaled_mm_v2`` are younger than torch 2.6), and transformers'
+    fallback op once transformers has registered it."""
+    found = {}
+    for names, wrap in ((_BY_SHAPES, _wrapped), (_BY_TENSORS, lambda formula: formula)):
+        for name, formula in names.items():
+            op = getattr(torch.ops.aten, name, None)
+            if op is not None:
+                found[op] = wrap(formula)
     fallback = getattr(torch.ops.transformers, "grouped_mm_fallback", None)  # where grouped_mm cannot run
     if fallback is not None:
-        formulas[fallback] = _grouped_mm
-    return {op: _wrapped(formula) for op, formula in formulas.items()}
+        found[fallback] = _wrapped(_grouped_mm)
+    return found

@@ -116,7 +116,8 @@ _ALLOCATIONS = {torch.ops.aten.empty_like, torch.ops.aten.empty, torch.ops.aten.
 
 _WRITES = {torch.ops.aten.zeros_like, torch.ops.aten.ones_like, torch.ops.aten.full_like, torch.ops.aten.rand_like,
            torch.ops.aten.randn_like, torch.ops.aten.new_zeros, torch.ops.aten.new_ones, torch.ops.aten.new_full,
-           torch.ops.aten.zero_, torch.ops.aten.fill_}
+           torch.ops.aten.zero_, torch.ops.aten.fill_, torch.ops.aten.bernoulli_, torch.ops.aten.uniform_,
+           torch.ops.aten.normal_, torch.ops.aten.random_, torch.ops.aten.exponential_}
 _GATHERS = {torch.ops.aten.index, torch.ops.aten.index_select, torch.ops.aten.gather}
 _SCATTERS = {torch.ops.aten.index_add_, torch.ops.aten.index_put_, torch.ops.aten.scatter_add_,
              torch.ops.aten.scatter_, torch.ops.aten.index_copy_}
@@ -151,8 +152,8 @@ def traffic(func, inputs, out, weights: set) -> int:
     0
     >>> traffic(torch.ops.aten.zeros_like.default, ((x,), {}), torch.zeros_like(x), keys)
     128
-    >>> traffic(torch.ops.aten.copy_.default, ((x, x.clone()), {}), x, keys)
-    256
+    >>> traffic(torch.ops.aten.copy_.default, ((x, x.half()), {}), x, keys)  # 64 read, 128 written
+    192
     >>> rows = torch.tensor([1, 3])  # 2 of x's 4 rows: 64 bytes read and written, 16 of index
     >>> traffic(torch.ops.aten.index.Tensor, ((x, [rows]), {}), x[rows], keys)
     144
@@ -166,14 +167,16 @@ def traffic(func, inputs, out, weights: set) -> int:
 
     tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-    if not tensors or func._overloadpacket in _WRITES:  # made from nothing it reads: written only
+    if not tensors:  # made from nothing it reads: written only
         return _bytes(outputs)
-    if func._overloadpacket is torch.ops.aten.copy_:  # the source read, the destination written
-        return 2 * _bytes(outputs)
     keys = [_key(t) for t in tensors]
     read = [t for t, key in zip(tensors, keys, strict=True) if key not in weights]
     if not read:
         return 0
+    if func._overloadpacket in _WRITES:
+        return _bytes(outputs)
+    if func._overloadpacket is torch.ops.aten.copy_:  # the source read, the destination written
+        return _bytes(tensors[1:2]) + _bytes(outputs)
     if not func._schema.is_mutable and any(_key(t) in keys for t in outputs):
         return 0
     sparse = _sparse_traffic(func._overloadpacket, tensors, outputs, keys[0] in weights)
@@ -191,11 +194,16 @@ def _sparse_traffic(op, tensors: list, outputs: list, from_weights: bool) -> int
     or a scatter's into them (the rows it adds to, read and written, its source and index); None
     for any other operator, or a gather from weights (its rows counted as its output alone)."""
     if op in _GATHERS and not from_weights:
-        return 2 * _bytes(outputs) + _bytes(t for t in tensors[1:] if not t.is_floating_point())
+        return 2 * _bytes(outputs) + _bytes(tensors[1:])
     if op in _SCATTERS:
-        rest = tensors[1:]
-        source = _bytes(t for t in rest if t.is_floating_point())
-        return 3 * source + _bytes(t for t in rest if not t.is_floating_point())
+        target = tensors[0]
+        if len(tensors) == 2:  # scatter_.value: a number written where the index says
+            return tensors[1].numel() * target.element_size() + _bytes(tensors[1:])
+        source = tensors[-1]
+        if source.numel() <= 1:  # one value broadcast (x[mask] = 0): how many rows is data; all of them
+            return None
+        rows = source.numel() * target.element_size()  # the target's rows it adds to, read and written
+        return 2 * rows + _bytes(tensors[1:])
     return None
 
 

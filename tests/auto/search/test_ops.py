@@ -155,3 +155,21 @@ def test_a_moe_blocks_expert_loop_moves_the_rows_it_routes_not_the_whole_batch_e
             model(input_ids=ids)
         moved[implementation] = counted.traffic
     assert moved["grouped_mm"] < moved["eager"] < 1.3 * moved["grouped_mm"], moved
+
+
+def test_a_frozen_encoder_over_padded_sequences_counts_the_tokens_it_runs():
+    """With a padding mask the fast path runs a nested tensor of the real lengths (reading its
+    shape had raised): the FLOPs are those of each sequence alone."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 2).eval().requires_grad_(False)
+    x = torch.randn(2, 32, 64)
+    padding = torch.zeros(2, 32, dtype=torch.bool)
+    padding[1, 16:] = True
+
+    def flops(*args, **kwargs) -> int:
+        with torch.no_grad(), ops.OpCounter(count_traffic=False) as counted:
+            encoder(*args, **kwargs)
+        return counted.flops
+
+    assert flops(x, src_key_padding_mask=padding) == flops(x[:1]) + flops(x[1:, :16]) > 0
