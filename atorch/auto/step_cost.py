@@ -312,6 +312,10 @@ class StepCost:
             return comm.element_bytes
         if comm.stream:
             return self.element_bytes()
+        return self.compute_element_bytes()
+
+    def compute_element_bytes(self) -> int:
+        """Bytes an element of a matmul's output takes in the compute dtype."""
         return 2 if self.compute_dtype == "half" else 4
 
     def element_bytes(self) -> float:
@@ -485,9 +489,10 @@ class StepCost:
         compute is, except those that run whole on every tensor rank (``whole_traffic``), and the
         copies the tensor layers make (``tensor_copies``, already the rank's)."""
         computed, stream = self.tensor_copies
-        copies = computed * (2 if self.compute_dtype == "half" else 4) + stream * self.element_bytes()
+        copies = computed * self.compute_element_bytes() + stream * self.element_bytes()
         whole = self.whole_traffic * (self.whole_traffic_factor - 1)
         return (self.forward_traffic + whole) * self.compute_share + copies
+
     def bubble_factor(self) -> float:
         """What a pipeline's bubble makes of a rank's compute: 1 + the bubble, or, on a CPU whose
         cores the ranks share (the profile's ``ranks_per_core``, r), the larger of the rank's own

@@ -255,7 +255,9 @@ def cost_term(config: ExpertParallelConfig, cost) -> None:
     fraction = routed / max(cost.param_bytes(), 1)
     cost.split_layers(fraction * (1 - 1 / size))
     cost.held_apart = fraction / size / cost.split  # of the rank's piece (a later tensor split grows it)
-    choices = _choices(cost.model)
+    from atorch.parallel_layers.experts import expert_choices
+
+    choices = expert_choices(cost.model)
     hidden = _hidden(cost.model, found)
     leaving = (size - 1) / size
     blocks = len(found)
@@ -306,12 +308,6 @@ def _copies_sync(cost, found: dict, routed: int, size: int, copies: int, fsdp2: 
                            each_micro_batch=True, element_bytes=1))
     cost.comms.append(Comm("data", local, units, factor=leaving, kind="reduce_scatter", element_bytes=1,
                            per_step=True))
-
-
-def _choices(model: torch.nn.Module) -> int:
-    """Experts each token goes to (the config's ``num_experts_per_tok``; 1 when it has none)."""
-    config = getattr(model, "config", None)
-    return int(getattr(config, "num_experts_per_tok", None) or 1)
 
 
 register_method(

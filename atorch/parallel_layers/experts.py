@@ -62,8 +62,13 @@ def _summary(model: nn.Module) -> tuple[int, float] | None:
     total = sum(p.numel() for p in model.parameters())
     routed = sum(p.numel() for module in found.values() for p in module.parameters()) / max(total, 1)
     experts = expert_count(next(iter(found.values())))
-    choices = min(int(getattr(getattr(model, "config", None), "num_experts_per_tok", None) or 1), experts)
-    return len(found), routed, 1 - routed * (1 - choices / experts)
+    return len(found), routed, 1 - routed * (1 - min(expert_choices(model), experts) / experts)
+
+
+def expert_choices(model: nn.Module) -> int:
+    """Experts each token goes to (the config's ``num_experts_per_tok``; 1 when it has none)."""
+    config = getattr(model, "config", None)
+    return int(getattr(config, "num_experts_per_tok", None) or 1)
 
 
 class _ExpectedLoad:
