@@ -136,26 +136,37 @@ def ineligible(model: torch.nn.Module, config: PipelineParallelConfig, job: Layo
 
 def _boundary_width(model: torch.nn.Module, names: list[str]) -> tuple[int, bool]:
     """(features of the hidden state a stage hands the next, whether it is in the weights' dtype
-    under autocast). A stage whose last unit is a Linear (an activation after it keeps its dtype)
-    hands on its matmul's output, in the compute dtype; a block (a decoder's layer, any unit that
-    holds its layers) hands on its residual stream, to which autocast adds the bf16 branch outputs
-    in fp32, and an embedding its weights' dtype (both counted on gloo ranks:
-    tests/methods/test_pipeline_parallel.py, test_mixed_parallel_virtual.py)."""
+    under autocast): what the stage's last unit that holds weights hands on (:func:`_hands_on`;
+    an activation after it keeps its dtype). Counted on gloo ranks:
+    tests/methods/test_pipeline_parallel.py, test_mixed_parallel_virtual.py."""
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-    if hidden:
+    if hidden:  # a decoder: its residual stream
         return int(hidden), True
     for name in reversed(names):
-        unit = model.get_submodule(name)
-        if isinstance(unit, torch.nn.Linear):
-            return unit.out_features, False
-        for module in reversed(list(unit.modules())):  # a block: the width of its last layer
-            if isinstance(module, torch.nn.Linear):
-                return module.out_features, True
-            if isinstance(module, torch.nn.Embedding):
-                return module.embedding_dim, True
-            if isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)) and module.normalized_shape:
-                return module.normalized_shape[-1], True
+        found = _hands_on(model.get_submodule(name))
+        if found is not None:
+            return found
     return 0, True
+
+
+def _hands_on(unit: torch.nn.Module) -> tuple[int, bool] | None:
+    """A Linear hands on its matmul's output, in the compute dtype; an embedding or a norm its
+    weights' dtype; a Sequential what its last such module does; any other module that holds
+    layers (a block) its residual stream, to which autocast adds the bf16 branch outputs in fp32.
+    None for a unit without weights."""
+    if isinstance(unit, torch.nn.Linear):
+        return unit.out_features, False
+    if isinstance(unit, torch.nn.Embedding):
+        return unit.embedding_dim, True
+    if isinstance(unit, (torch.nn.LayerNorm, torch.nn.RMSNorm)) and unit.normalized_shape:
+        return unit.normalized_shape[-1], True
+    if isinstance(unit, torch.nn.Sequential):
+        return next((found for child in reversed(unit) if (found := _hands_on(child)) is not None), None)
+    for module in reversed(list(unit.modules())[1:]):  # a block: the width of its last layer
+        found = _hands_on(module)
+        if found is not None:
+            return found[0], True
+    return None
 
 
 def probe_units(model: torch.nn.Module) -> list[str]:

@@ -154,38 +154,48 @@ class _Vectors(torch.utils.data.Dataset):
         return {"input": torch.randn(32, generator=torch.Generator().manual_seed(index))}
 
 
-def _linears() -> torch.nn.Sequential:
+def _linears(relu: bool = False) -> torch.nn.Sequential:
+    """4 Linears as the pipeline's units, or (``relu``) 4 units of a Linear and a ReLU."""
     torch.manual_seed(0)
+    if relu:
+        return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()) for _ in range(4)))
     return torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(4)))
 
 
-def _sends(methods: list, blocks: bool) -> tuple[int, int]:
-    from tests.helpers.comms import step_traffic
-    from tests.helpers.models import TinyTransformer, TokenDataset, lm_loss
+def _units(kind: str) -> torch.nn.Module:
+    from tests.helpers.models import TinyTransformer
 
-    if blocks:
-        torch.manual_seed(0)
-        seen = step_traffic(TinyTransformer(), methods, TokenDataset(), 8, loss_func=lm_loss)
+    torch.manual_seed(0)
+    return TinyTransformer() if kind == "blocks" else _linears(relu=kind == "linear relu")
+
+
+def _sends(methods: list, kind: str) -> tuple[int, int]:
+    from tests.helpers.comms import step_traffic
+    from tests.helpers.models import TokenDataset, lm_loss
+
+    if kind == "blocks":
+        seen = step_traffic(_units(kind), methods, TokenDataset(), 8, loss_func=lm_loss)
     else:
-        seen = step_traffic(_linears(), methods, _Vectors(), 8, loss_func=lambda batch, out: out.float().pow(2).mean())
+        seen = step_traffic(_units(kind), methods, _Vectors(), 8, loss_func=lambda batch, out: out.float().pow(2).mean())
     return seen["other"]["send_recv"]  # the pipeline's group is the world's
 
 
-@pytest.mark.parametrize("blocks", [False, True], ids=["linears", "blocks"])
+@pytest.mark.parametrize("kind", ["linears", "linear relu", "blocks"])
 @pytest.mark.parametrize("amp", [False, True])
-def test_the_sends_are_charged_in_the_dtype_the_stages_hand_on(amp, blocks):
-    """Stages of Linears hand on a matmul's output: bf16 under autocast, half the bytes of fp32.
-    Stages of blocks hand on their residual stream, which autocast leaves in fp32 (as a
-    decoder's: tests/methods/test_mixed_parallel_virtual.py). Counted on 2 gloo ranks. Until
-    2026-11-29 every stage's sends were charged in the weights' dtype: twice the bytes of the
-    Linears' under amp."""
+def test_the_sends_are_charged_in_the_dtype_the_stages_hand_on(amp, kind):
+    """Stages of Linears (or of Linear-and-ReLU units) hand on a matmul's output: bf16 under
+    autocast, half the bytes of fp32. Stages of blocks hand on their residual stream, which
+    autocast leaves in fp32 (as a decoder's: tests/methods/test_mixed_parallel_virtual.py).
+    Counted on 2 gloo ranks. Until 2026-11-29 every stage's sends were charged in the weights'
+    dtype: twice the bytes of the Linears' under amp."""
     from atorch.auto.plan import resolve_strategy
     from atorch.auto.search.cost import build_cost
-    from tests.helpers.models import SEQ, TinyTransformer
+    from tests.helpers.models import SEQ
 
+    blocks = kind == "blocks"
     methods = [PP2, ("pipeline_parallel", {"num_microbatches": 2}), *([("amp_native", "bf16")] if amp else [])]
-    counted = run_distributed(_sends, 2, methods, blocks)
-    model = TinyTransformer() if blocks else _linears()
+    counted = run_distributed(_sends, 2, methods, kind)
+    model = _units(kind)
     tokens = 8 * SEQ if blocks else 8
     cost = build_cost(model, resolve_strategy(model, Strategy(methods)), {"pipeline": 2}, 2.0, 0, 1e9, tokens)
     charged = [(c.messages, c.elements * cost.comm_element_bytes(c)) for c in cost.comms if c.kind == "send_recv"]
