@@ -58,4 +58,11 @@ def test_blocks_that_alternate_sliding_and_full_attention_are_probed_whole():
     with FlashAttentionProbe():
         deep: list = []
         value = cost._saved_bytes(gemma, strategy, batch, "unpack_dict", None, CPU, cost.PROBED_STAGES, deep)
+        shallows = []
+        for keep in (1, 2):  # what the first two blocks, both sliding, would have said
+            with shallow.truncated(gemma.model.layers, keep):
+                counted: list = []
+                shallows.append((cost._saved_bytes(gemma, strategy, batch, "unpack_dict", None, CPU,
+                                                   cost.PROBED_STAGES, counted), counted))
+        assert shallow.extrapolate(*shallows, 6)[1][5] == 0 < deep[5]  # the attention FLOPs
         assert cost.probe_once(gemma, strategy, batch, "unpack_dict", None, CPU, cost.PROBED_STAGES) == (value, deep)
