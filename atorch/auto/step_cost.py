@@ -343,17 +343,15 @@ class StepCost:
         self.step_temp *= share
         self.stepped *= share
 
-    def split_layers(self, removed: float) -> float:
+    def split_layers(self, removed: float) -> None:
         """A layout splits some weights: ``removed`` (a share of the whole model's parameters)
         leaves the rank's piece, from the weights no earlier split held apart (expert_parallel's
         slices stay whole on every tensor rank: their bytes stay, so ``held_apart``, a share of
-        the piece, grows). Terms that split this way compose in either order. Returns the share
-        of the piece kept."""
+        the piece, grows). Terms that split this way compose in either order."""
         share = 1 - removed / self.split
         self.split_model(share)
         self.split *= share
         self.held_apart /= share
-        return share
 
     def grads_at(self, share: float) -> float:
         """Gradient bytes alive when backward has made ``share`` of them: the rank's shard of

@@ -370,9 +370,7 @@ def _copied_width(plan, modules: dict) -> tuple[int, int]:
         module = modules[name]
         if how == "embedding":
             stream += 2 * module.embedding_dim
-        elif how.startswith("row"):
-            computed += 2 * _features(module)[1]
-        elif how == "column_gather":
+        elif how.startswith("row") or how == "column_gather":
             computed += 2 * _features(module)[1]
     return computed, stream
 
